@@ -1,0 +1,120 @@
+"""`ExGRPOConfig`: TRL's `GRPOConfig` plus the knobs of ExGRPO (arXiv 2510.02245), with the paper's defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+QUESTION_SELECTIONS = ("gaussian", "uniform")
+TRAJECTORY_SELECTIONS = ("lowest_entropy", "random", "highest_entropy")
+
+
+@dataclass
+class ExGRPOConfig(GRPOConfig):
+    r"""
+    Configuration for [`ExGRPOTrainer`]. Every field of [`~trl.GRPOConfig`] applies unchanged; the fields below add
+    ExGRPO's experience management and mixed-policy objective. Defaults follow the paper's Qwen2.5-Math-7B recipe.
+    """
+
+    replay_ratio: float = field(
+        default=0.5,
+        metadata={
+            "help": "rho: fraction of the questions of each generation batch drawn from the experience buffer "
+            "(n_exp = min(#buffer questions, floor(rho * #questions))). 0 trains exactly like GRPOTrainer. "
+            "The paper found 0.5 best (0.25 and 0.75 both did worse)."
+        },
+    )
+    replay_start_pass_rate: float | None = field(
+        default=0.35,
+        metadata={
+            "help": "Delayed start: replay and collection switch on once a purely on-policy batch has Pass@1 strictly "
+            "above this value, and stay on. None or 0 replays from the first step (the paper's setting for the "
+            "weak Llama-3.1-8B base)."
+        },
+    )
+    replay_mu: float = field(
+        default=0.5,
+        metadata={
+            "help": "Centre of the Gaussian over buckets, as a success rate: buckets are weighted by "
+            "N(k; mu * K, sigma) on the success-count scale, favouring medium-difficulty questions."
+        },
+    )
+    replay_sigma: float = field(
+        default=1.0,
+        metadata={"help": "Width of the Gaussian over buckets, in successes (one success by default)."},
+    )
+    question_selection: str = field(
+        default="gaussian",
+        metadata={
+            "help": "How replayed questions are drawn: 'gaussian' (bucket weights as above) or 'uniform' over the "
+            "buffer (the paper's 'w/o question selection' ablation)."
+        },
+    )
+    trajectory_selection: str = field(
+        default="lowest_entropy",
+        metadata={
+            "help": "Which stored trajectory of a replayed question joins its group: 'lowest_entropy' under the "
+            "current policy (the paper's choice), 'random', or 'highest_entropy' (ablations)."
+        },
+    )
+    policy_shaping_gamma: float | None = field(
+        default=0.1,
+        metadata={
+            "help": "gamma of the policy-shaping function f(w) = w / (w + gamma) applied to replayed tokens' "
+            "importance weights. None uses the plain ratio w (the 'w/o shaping' ablation)."
+        },
+    )
+    replay_importance_correction: bool = field(
+        default=True,
+        metadata={
+            "help": "Weight replayed tokens by w = exp(logp_theta - logp_behaviour) with the stored behaviour "
+            "log-probs. False sets logp_behaviour to the current log-prob, detached (the 'w/o IS' ablation)."
+        },
+    )
+    success_reward_threshold: float = field(
+        default=1.0,
+        metadata={
+            "help": "A rollout whose weighted total reward reaches this value counts as solved (binary verifier "
+            "reward: 1.0)."
+        },
+    )
+    skip_retired_questions: bool = field(
+        default=True,
+        metadata={
+            "help": "Skip retired questions (solved K/K) when fresh questions are drawn from the dataset, from the "
+            "next epoch on. Applies only while replay_ratio > 0."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 <= self.replay_ratio <= 1.0:
+            raise ValueError(f"replay_ratio must be in [0, 1], got {self.replay_ratio}.")
+        if self.replay_start_pass_rate is not None and not 0.0 <= self.replay_start_pass_rate < 1.0:
+            raise ValueError(
+                f"replay_start_pass_rate must be None or in [0, 1), got {self.replay_start_pass_rate}; "
+                "use None or 0 to replay from the first step."
+            )
+        if not 0.0 <= self.replay_mu <= 1.0:
+            raise ValueError(f"replay_mu must be in [0, 1] (a success rate), got {self.replay_mu}.")
+        if not self.replay_sigma > 0.0:
+            raise ValueError(f"replay_sigma must be > 0 (in successes), got {self.replay_sigma}.")
+        if self.question_selection not in QUESTION_SELECTIONS:
+            raise ValueError(
+                f"question_selection must be one of {QUESTION_SELECTIONS}, got {self.question_selection!r}."
+            )
+        if self.trajectory_selection not in TRAJECTORY_SELECTIONS:
+            raise ValueError(
+                f"trajectory_selection must be one of {TRAJECTORY_SELECTIONS}, got {self.trajectory_selection!r}."
+            )
+        if self.policy_shaping_gamma is not None and not self.policy_shaping_gamma > 0.0:
+            raise ValueError(
+                f"policy_shaping_gamma must be > 0, or None for the plain importance ratio; "
+                f"got {self.policy_shaping_gamma}."
+            )
+        if self.num_generations is None or self.num_generations < 2:
+            raise ValueError(
+                f"num_generations must be >= 2 for ExGRPO (a group needs K-1 fresh rollouts beside a replayed one "
+                f"and success buckets 1..K-1); got {self.num_generations}."
+            )
