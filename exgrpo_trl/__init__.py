@@ -1,9 +1,27 @@
 """ExGRPO (Experiential Group Relative Policy Optimization, arXiv 2510.02245) for Hugging Face TRL."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
-
-from .buffer import ExperienceBuffer
-from .config import ExGRPOConfig
-from .trainer import ExGRPOTrainer
-
 __all__ = ["ExGRPOConfig", "ExGRPOTrainer", "ExperienceBuffer", "__version__"]
+
+# Lazy attributes: `import exgrpo_trl.toy` or the CLI should not pay for importing trl.
+_LAZY = {
+    "ExGRPOConfig": "exgrpo_trl.config",
+    "ExGRPOTrainer": "exgrpo_trl.trainer",
+    "ExperienceBuffer": "exgrpo_trl.buffer",
+}
+
+if TYPE_CHECKING:
+    from .buffer import ExperienceBuffer
+    from .config import ExGRPOConfig
+    from .trainer import ExGRPOTrainer
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'exgrpo_trl' has no attribute {name!r}")
