@@ -1,0 +1,241 @@
+"""The experience buffer of ExGRPO (SPEC §2-5): successful trajectories keyed by question, success buckets, the
+retired set, and the bucket sampler.
+
+This module knows nothing of the training loop: no trl, transformers or accelerate imports. It stores plain arrays
+and Python values so it can be unit-tested with lists and saved without pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+# Token ids as int32 and behaviour log-probs as float16: 6 bytes per stored token. float16 keeps a log-prob to
+# about 3 significant digits (|error| <= 5e-4 * |logp|), i.e. an importance weight to 0.05% for a token of
+# log-prob -1, far below the step-to-step drift the weight measures.
+IDS_DTYPE = np.int32
+LOGPS_DTYPE = np.float16
+
+
+def question_key(prompt: Any) -> str:
+    """A stable identity for a question: a hash of its prompt (a string or a list of chat messages)."""
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).hexdigest()
+
+
+def gaussian_bucket_probabilities(
+    nonempty_buckets: Iterable[int], num_generations: int, mu: float = 0.5, sigma: float = 1.0
+) -> dict[int, float]:
+    """P(bucket k) proportional to N(k; mu * K, sigma) over the non-empty buckets only (SPEC §5).
+
+    The density is taken on the success-count scale (as the reference code does): with K = 8, mu = 0.5, sigma = 1
+    and all buckets non-empty this is {1: .0044, 2: .0540, 3: .2420, 4: .3990, 5: .2420, 6: .0540, 7: .0044}.
+    A bucket's probability does not depend on how many questions it holds.
+    """
+    buckets = sorted(set(nonempty_buckets))
+    if not buckets:
+        return {}
+    centre = mu * num_generations
+    weights = [math.exp(-0.5 * ((k - centre) / sigma) ** 2) for k in buckets]
+    total = sum(weights)
+    if total == 0.0:  # every bucket is many sigmas away: fall back to the nearest bucket(s)
+        distance = [abs(k - centre) for k in buckets]
+        weights = [1.0 if d == min(distance) else 0.0 for d in distance]
+        total = sum(weights)
+    return {k: w / total for k, w in zip(buckets, weights)}
+
+
+@dataclass
+class Trajectory:
+    """One stored successful completion: its token ids and the behaviour policy's per-token log-probs."""
+
+    completion_ids: np.ndarray  # (L,) int32, ends with EOS
+    logps: np.ndarray  # (L,) float16, log-probs under the policy that generated it (before its update)
+    step: int  # global step at which it was collected
+
+    def __post_init__(self):
+        self.completion_ids = np.ascontiguousarray(self.completion_ids, dtype=IDS_DTYPE)
+        self.logps = np.ascontiguousarray(self.logps, dtype=LOGPS_DTYPE)
+        if self.completion_ids.ndim != 1 or self.completion_ids.shape != self.logps.shape:
+            raise ValueError(
+                f"a trajectory needs 1-D token ids and log-probs of the same length, got shapes "
+                f"{self.completion_ids.shape} and {self.logps.shape}"
+            )
+
+
+@dataclass
+class QuestionEntry:
+    """A question in the buffer: the dataset row to re-score it with, its latest success count, its trajectories."""
+
+    row: dict[str, Any]
+    k: int
+    trajectories: list[Trajectory] = field(default_factory=list)
+
+
+class ExperienceBuffer:
+    """Successful trajectories keyed by question, bucketed by each question's latest success count k in 1..K-1.
+
+    - `update_group` applies one group's outcome: K/K retires the question (removed, never replayed again), 0/K
+      leaves an existing entry as it is, 1..K-1 sets the bucket and adds the new, de-duplicated trajectories.
+    - `sample_questions` draws questions for replay: a Gaussian over non-empty buckets (or uniform over questions),
+      per-bucket counts from a capped multinomial, uniform without replacement within a bucket.
+    - All randomness comes from the buffer's own seeded generator, never the global torch / numpy / python ones.
+    """
+
+    def __init__(
+        self,
+        num_generations: int,
+        *,
+        mu: float = 0.5,
+        sigma: float = 1.0,
+        question_selection: str = "gaussian",
+        seed: int = 0,
+    ):
+        if num_generations < 2:
+            raise ValueError(f"num_generations must be >= 2, got {num_generations}")
+        if question_selection not in ("gaussian", "uniform"):
+            raise ValueError(f"question_selection must be 'gaussian' or 'uniform', got {question_selection!r}")
+        if sigma <= 0:
+            raise ValueError(f"sigma must be > 0, got {sigma}")
+        self.num_generations = num_generations
+        self.mu = mu
+        self.sigma = sigma
+        self.question_selection = question_selection
+        self.seed = seed
+        self.rng = np.random.Generator(np.random.PCG64(seed))
+        self.questions: dict[str, QuestionEntry] = {}  # insertion-ordered: sampling is reproducible
+        self.retired: set[str] = set()
+
+    # ------------------------------------------------------------------ sizes
+    def __len__(self) -> int:
+        return len(self.questions)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.questions
+
+    @property
+    def num_questions(self) -> int:
+        return len(self.questions)
+
+    @property
+    def num_trajectories(self) -> int:
+        return sum(len(entry.trajectories) for entry in self.questions.values())
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(t.completion_ids.size for entry in self.questions.values() for t in entry.trajectories)
+
+    def bucket_counts(self) -> dict[int, int]:
+        """Number of questions per bucket k = 1..K-1 (empty buckets included, as 0)."""
+        counts = dict.fromkeys(range(1, self.num_generations), 0)
+        for entry in self.questions.values():
+            counts[entry.k] += 1
+        return counts
+
+    # ------------------------------------------------------------------ collection
+    def retire(self, key: str) -> None:
+        """Permanently retire a question (SPEC §4): it leaves the buffer and is never replayed again."""
+        self.questions.pop(key, None)
+        self.retired.add(key)
+
+    def update_group(
+        self,
+        key: str,
+        k: int,
+        row: dict[str, Any] | None = None,
+        trajectories: Sequence[Trajectory] = (),
+    ) -> int:
+        """Apply the outcome of one group (k successes out of K) for question `key`. Returns #trajectories added."""
+        if not 0 <= k <= self.num_generations:
+            raise ValueError(f"success count must be in [0, {self.num_generations}], got {k}")
+        if k == self.num_generations:
+            self.retire(key)
+            return 0
+        if k == 0 or key in self.retired:
+            return 0
+        entry = self.questions.get(key)
+        if entry is None:
+            if not trajectories:
+                return 0  # a question enters the buffer with its first stored trajectory
+            if row is None:
+                raise ValueError(f"a new question ({key}) needs its dataset row to be stored")
+            entry = self.questions[key] = QuestionEntry(row=dict(row), k=k)
+        entry.k = k
+        added = 0
+        for trajectory in trajectories:
+            if not any(_same_ids(trajectory.completion_ids, t.completion_ids) for t in entry.trajectories):
+                entry.trajectories.append(trajectory)
+                added += 1
+        return added
+
+    # ------------------------------------------------------------------ sampling
+    def bucket_probabilities(self) -> dict[int, float]:
+        counts = self.bucket_counts()
+        return gaussian_bucket_probabilities(
+            [k for k, c in counts.items() if c > 0], self.num_generations, self.mu, self.sigma
+        )
+
+    def sample_questions(self, n: int) -> list[str]:
+        """Draw `n` distinct questions for replay (fewer if the buffer holds fewer)."""
+        n = min(int(n), len(self.questions))
+        if n <= 0:
+            return []
+        keys = list(self.questions)
+        if self.question_selection == "uniform":
+            picked = self.rng.choice(len(keys), size=n, replace=False)
+            return [keys[i] for i in picked]
+
+        by_bucket: dict[int, list[str]] = {}
+        for key, entry in self.questions.items():
+            by_bucket.setdefault(entry.k, []).append(key)
+        buckets = sorted(by_bucket)
+        probs = self.bucket_probabilities()
+        p = np.array([probs[b] for b in buckets], dtype=np.float64)
+        sizes = np.array([len(by_bucket[b]) for b in buckets], dtype=np.int64)
+        counts = _capped_multinomial(self.rng, n, p, sizes)
+        sampled: list[str] = []
+        for bucket, count in zip(buckets, counts):
+            if count:
+                members = by_bucket[bucket]
+                sampled += [members[i] for i in self.rng.choice(len(members), size=int(count), replace=False)]
+        return sampled
+
+    def choose_random(self, n: int) -> int:
+        """Index of one of `n` candidates, uniformly, from the buffer's generator (random trajectory selection)."""
+        return int(self.rng.integers(n))
+
+    # ------------------------------------------------------------------ state
+    def config_dict(self) -> dict[str, Any]:
+        return {
+            "num_generations": self.num_generations,
+            "mu": self.mu,
+            "sigma": self.sigma,
+            "question_selection": self.question_selection,
+            "seed": self.seed,
+        }
+
+
+def _same_ids(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and bool(np.array_equal(a, b))
+
+
+def _capped_multinomial(rng: np.random.Generator, n: int, p: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Multinomial counts over buckets, none above its bucket's size: the excess is redrawn among buckets with room."""
+    counts = np.zeros_like(sizes)
+    remaining = n
+    probs = p.copy()
+    while remaining > 0:
+        room = sizes - counts
+        probs = np.where(room > 0, probs, 0.0)
+        if probs.sum() <= 0:  # only zero-weight buckets have room: spread over them uniformly
+            probs = (room > 0).astype(np.float64)
+        draw = rng.multinomial(remaining, probs / probs.sum())
+        counts = counts + np.minimum(draw, room)
+        remaining = int(n - counts.sum())
+    return counts

@@ -1,0 +1,533 @@
+"""`ExGRPOTrainer`: TRL's GRPOTrainer with ExGRPO's experience replay (arXiv 2510.02245)."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import textwrap
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from accelerate.utils import broadcast_object_list, gather_object
+from transformers.utils import logging
+from trl import GRPOConfig, GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+
+from .buffer import ExperienceBuffer, Trajectory, question_key
+from .config import ExGRPOConfig
+from .loss import SUPPORTED_LOSS_TYPES, aggregate_token_loss, shaped_replay_token_loss
+from .scoring import masked_mean_per_row, pad_prompt_completion
+
+logger = logging.get_logger(__name__)
+
+METRIC_PREFIX = "exgrpo/"
+REPLAYED_COLUMN = "exgrpo_replayed"  # column of the completions table marking replayed rows
+
+
+@dataclass
+class _ReplayPlan:
+    """What one generation batch replays, identical on every rank."""
+
+    group_indices: list[int]  # global group indices whose K rows are given to replayed questions
+    keys: list[str]
+    rows: list[dict[str, Any]]
+    completion_ids: list[list[int]]  # the selected stored trajectory of each replayed group
+    behaviour_logps: list[torch.Tensor]  # (L,) float32 each
+    num_groups: int  # groups in the whole generation batch
+    selected_entropies: list[float] = field(default_factory=list)  # of the scored (>= 2 candidates) questions
+
+
+@dataclass
+class _PendingCollection:
+    """One generation batch's outcome on this rank, committed to the buffer after the first loss pass."""
+
+    groups: list[tuple[int, str, int, dict[str, Any] | None]]  # (global group, key, k, row or None)
+    row_keys: dict[int, tuple[int, str]]  # local row -> (global row, key), rows whose trajectory will be stored
+    trajectories: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)  # local row -> (ids, logps)
+    micro_batches_left: int = 0
+    step: int = 0
+
+
+class _SkipRetiredSampler(torch.utils.data.Sampler):
+    """Wraps TRL's RepeatSampler so that each new epoch draws only questions that are not retired (SPEC §4).
+
+    The inner sampler permutes `num_samples` positions with its own generator; we point those positions at the
+    indices of the non-retired rows, so the ordering logic stays TRL's own.
+    """
+
+    def __init__(self, inner, prompts_fn, retired: set[str]):
+        self.inner = inner
+        self._prompts_fn = prompts_fn
+        self._keys: list[str] | None = None
+        self.retired = retired
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __iter__(self):
+        if not self.retired:
+            yield from self.inner
+            return
+        if self._keys is None:
+            self._keys = [question_key(p) for p in self._prompts_fn()]
+        active = [i for i, key in enumerate(self._keys) if key not in self.retired]
+        full = self.inner.num_samples
+        self.inner.num_samples = len(active)
+        try:
+            for position in self.inner:
+                yield active[position]
+        finally:
+            self.inner.num_samples = full
+
+
+class ExGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer that learns from its own past successes (ExGRPO, arXiv 2510.02245).
+
+    Successful rollouts go into an :class:`~exgrpo_trl.ExperienceBuffer`; every generation batch, a fraction
+    `replay_ratio` of its questions are drawn from the buffer (favouring medium difficulty), each with its
+    lowest-entropy stored trajectory, which joins K-1 fresh rollouts of the same question in one GRPO group. Replayed
+    tokens are weighted by the shaped importance weight f(w) = w / (w + gamma), with no clipping. With
+    `replay_ratio=0` training is exactly GRPOTrainer's (the buffer is still tracked, for statistics).
+
+    The constructor is GRPOTrainer's; `args` must be an :class:`~exgrpo_trl.ExGRPOConfig`.
+
+    Hooks overridden, each calling `super()`:
+    - `_get_train_sampler`: wraps TRL's RepeatSampler to skip retired questions from the next epoch on.
+    - `_generate_and_score_completions`: before `super()`, builds the replay plan (questions sampled on the main
+      process and broadcast; stored trajectories scored for entropy on every rank, the same number of forward
+      passes each) and gives the K rows of each replayed group to the stored question; after `super()`, reads each
+      group's success count, schedules collection and retirement, checks the delayed start, adds per-row keys
+      (replay mask, behaviour log-probs) to the batch, and logs `exgrpo/...` metrics.
+    - `_generate_single_turn`: splices the selected stored trajectory into the reserved row of its group right after
+      generation, before decoding, so TRL's own padding, rewards, advantages and masks see the whole mixed group.
+    - `_calculate_rewards`: keeps the rewards it gathers across ranks (success counts come from them).
+    - `_get_per_token_logps_and_entropies`: keeps the policy's log-probs of the loss pass, so the replayed-token
+      term and the behaviour log-probs reuse TRL's forward pass instead of running another.
+    - `_compute_loss`: `super()` computes TRL's loss with the replayed rows' advantages set to 0 (their tokens then
+      add nothing but still count in the normaliser); the shaped replayed-token term -f(w) * A is added with the
+      same normaliser. During the first pass over a generation batch it also records the behaviour log-probs of
+      the trajectories to store (TRL's old log-probs, or the detached log-probs of this pass when TRL skips them).
+
+    Not supported yet (rejected at init): tools, `environment_factory`, `rollout_func`, image inputs. Replayed
+    tokens are not affected by `top_entropy_quantile`, `off_policy_mask_threshold` or sequence-level importance
+    sampling, which apply to fresh tokens as in TRL.
+    """
+
+    _tag_names = ["trl", "grpo", "exgrpo"]
+    _name = "ExGRPO"
+    _paper = {
+        "title": "ExGRPO: Learning to Reason from Experience",
+        "id": "2510.02245",
+        # docstyle-ignore
+        "citation": textwrap.dedent("""\
+            @article{zhan2025exgrpo,
+                title        = {{ExGRPO: Learning to Reason from Experience}},
+                author       = {Runzhe Zhan and Yafu Li and Zhi Wang and Xiaoye Qu and Dongrui Liu and Jing Shao and Derek F. Wong and Yu Cheng},
+                year         = 2025,
+                eprint       = {arXiv:2510.02245},
+            }"""),
+    }
+
+    def __init__(self, *args, **kwargs):
+        bound = inspect.signature(GRPOTrainer.__init__).bind(None, *args, **kwargs)
+        params = bound.arguments
+        for name in ("tools", "rollout_func", "environment_factory"):
+            if params.get(name):
+                raise NotImplementedError(
+                    f"ExGRPOTrainer does not support `{name}` yet: replaying stored trajectories through tool calls "
+                    "or custom rollouts is not implemented. Use GRPOTrainer for this setup."
+                )
+        config = params.get("args")
+        if config is None:
+            params["args"] = ExGRPOConfig("ExGRPO")
+        elif not isinstance(config, ExGRPOConfig):
+            kind = "a GRPOConfig" if isinstance(config, GRPOConfig) else type(config).__name__
+            raise TypeError(
+                f"ExGRPOTrainer needs an ExGRPOConfig, got {kind}. Build one with the same fields, e.g. "
+                "`ExGRPOConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init})`."
+            )
+        columns = getattr(params.get("train_dataset"), "column_names", None) or []
+        if "image" in columns or "images" in columns:
+            raise NotImplementedError("ExGRPOTrainer does not support image inputs yet.")
+
+        params.pop("self")
+        super().__init__(**params)
+
+        if self.loss_type not in SUPPORTED_LOSS_TYPES:
+            raise ValueError(f"ExGRPOTrainer supports loss_type in {SUPPORTED_LOSS_TYPES}, got {self.loss_type!r}")
+        cfg: ExGRPOConfig = self.args
+        self.experience_buffer = ExperienceBuffer(
+            self.num_generations,
+            mu=cfg.replay_mu,
+            sigma=cfg.replay_sigma,
+            question_selection=cfg.question_selection,
+            seed=cfg.seed,
+        )
+        # Training state beside the buffer (persisted with checkpoints).
+        self.exgrpo_state = {"replay_active": not cfg.replay_start_pass_rate, "generation_batches": 0}
+        self._exgrpo_plan: _ReplayPlan | None = None
+        self._exgrpo_splice: dict[int, list[int]] | None = None  # local row -> stored completion ids
+        self._exgrpo_rewards: torch.Tensor | None = None  # (N_global, F) of the last training batch
+        self._exgrpo_completion_ids: list[list[int]] | None = None  # local completions after splicing
+        self._exgrpo_pending: _PendingCollection | None = None
+        self._exgrpo_capture = False
+        self._exgrpo_captured_logps: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------------------------------ data
+    def _get_train_sampler(self, dataset=None):
+        sampler = super()._get_train_sampler(dataset)
+        if self.args.replay_ratio > 0 and self.args.skip_retired_questions:
+            dataset = self.train_dataset if dataset is None else dataset
+            return _SkipRetiredSampler(sampler, lambda: dataset["prompt"], self.experience_buffer.retired)
+        return sampler
+
+    # ------------------------------------------------------------------------------------------ generation
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        completion_ids, logprobs = super()._generate_single_turn(
+            prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+        )
+        if self._exgrpo_splice:
+            completion_ids = list(completion_ids)
+            if logprobs is not None:
+                logprobs = list(logprobs)
+            for row, ids in self._exgrpo_splice.items():
+                completion_ids[row] = list(ids)
+                if logprobs is not None:
+                    # None becomes NaN in TRL, and NaN an importance ratio of exactly 1: vLLM's sampling
+                    # correction leaves the replayed row alone (its own weight is applied in the loss).
+                    logprobs[row] = [None] * len(ids)
+        if self.model.training:
+            self._exgrpo_completion_ids = [list(ids) for ids in completion_ids]
+        return completion_ids, logprobs
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self.model.training:
+            self._exgrpo_rewards = rewards_per_func
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        if not self.model.training:  # evaluation never replays and never collects
+            return super()._generate_and_score_completions(inputs)
+
+        self._exgrpo_flush()  # normally already done after the first loss pass; a no-op then
+        num_local = len(inputs)
+        plan = self._exgrpo_make_plan(num_local)
+        inputs, replay_rows = self._exgrpo_apply_plan(inputs, plan)
+        self._pending_extra_logs[REPLAYED_COLUMN].extend(replay_rows[i] >= 0 for i in range(num_local))
+
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self._exgrpo_splice = None
+        self._exgrpo_after_scoring(inputs, output, plan, replay_rows)
+        return output
+
+    # ------------------------------------------------------------------------------------------ replay plan
+    def _exgrpo_make_plan(self, num_local: int) -> _ReplayPlan | None:
+        """Sample replayed questions on the main process, broadcast them, and select one trajectory per question."""
+        cfg: ExGRPOConfig = self.args
+        num_groups = num_local * self.accelerator.num_processes // self.num_generations
+        if not (self.exgrpo_state["replay_active"] and cfg.replay_ratio > 0):
+            return None
+        payload = None
+        if self.accelerator.is_main_process:
+            n_exp = min(self.experience_buffer.num_questions, math.floor(cfg.replay_ratio * num_groups + 1e-9))
+            payload = []
+            for key in self.experience_buffer.sample_questions(n_exp):
+                entry = self.experience_buffer.questions[key]
+                candidates = entry.trajectories
+                if cfg.trajectory_selection == "random" and len(candidates) > 1:
+                    candidates = [candidates[self.experience_buffer.choose_random(len(candidates))]]
+                payload.append((key, entry.row, [(t.completion_ids.tolist(), t.logps.tolist()) for t in candidates]))
+        payload = broadcast_object_list([payload])[0]
+        if not payload:
+            return None
+
+        # Entropy scoring of every candidate of the questions that have more than one (all ranks, sharded).
+        scored = [i for i, (_, _, candidates) in enumerate(payload) if len(candidates) > 1]
+        chosen = [0] * len(payload)
+        selected_entropies = []
+        if scored and cfg.trajectory_selection != "random":
+            prompt_ids = self._tokenize_prompts([payload[i][1]["prompt"] for i in scored])[0]
+            flat_prompts, flat_completions, owner = [], [], []
+            for j, i in enumerate(scored):
+                for ids, _ in payload[i][2]:
+                    flat_prompts.append(prompt_ids[j])
+                    flat_completions.append(ids)
+                    owner.append(i)
+            entropies = self._exgrpo_score_entropies(flat_prompts, flat_completions)
+            sign = -1.0 if cfg.trajectory_selection == "highest_entropy" else 1.0
+            start = 0
+            for i in scored:
+                n = len(payload[i][2])
+                scores = entropies[start : start + n]
+                best = int(torch.argmin(sign * scores))
+                chosen[i] = best
+                selected_entropies.append(float(scores[best]))
+                start += n
+
+        n_exp = len(payload)
+        first = num_groups - n_exp  # the last n_exp groups of the batch are replayed
+        return _ReplayPlan(
+            group_indices=list(range(first, num_groups)),
+            keys=[key for key, _, _ in payload],
+            rows=[row for _, row, _ in payload],
+            completion_ids=[payload[i][2][chosen[i]][0] for i in range(n_exp)],
+            behaviour_logps=[torch.tensor(payload[i][2][chosen[i]][1], dtype=torch.float32) for i in range(n_exp)],
+            num_groups=num_groups,
+            selected_entropies=selected_entropies,
+        )
+
+    @torch.no_grad()
+    def _exgrpo_score_entropies(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> torch.Tensor:
+        """Mean per-token entropy of each (prompt, completion) under the current policy, over its completion only.
+
+        The candidates are split evenly over the ranks, each rank padding its share to the same number of rows, so
+        every rank runs the same number of forward passes (DeepSpeed ZeRO-3 hangs otherwise); results are gathered.
+        """
+        total = len(completion_ids)
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        per_rank = math.ceil(total / world)
+        mine = list(range(rank * per_rank, min((rank + 1) * per_rank, total)))
+        mine += [mine[-1] if mine else 0] * (per_rank - len(mine))  # padding rows: scored, then discarded
+        entropies = self._exgrpo_mean_entropies([prompt_ids[i] for i in mine], [completion_ids[i] for i in mine])
+        return self.accelerator.gather(entropies).cpu()[:total]
+
+    @torch.no_grad()
+    def _exgrpo_mean_entropies(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> torch.Tensor:
+        input_ids, attention_mask, completion_mask = pad_prompt_completion(
+            prompt_ids, completion_ids, self._tokenizer.pad_token_id, device=self.accelerator.device
+        )
+        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            _, entropies, _ = self._get_per_token_logps_and_entropies(
+                self.model,
+                input_ids,
+                attention_mask,
+                completion_mask.size(1),
+                batch_size=self.args.per_device_train_batch_size,
+                compute_entropy=True,
+            )
+        return masked_mean_per_row(entropies.float(), completion_mask)  # (N,)
+
+    def _exgrpo_apply_plan(self, inputs: list[dict], plan: _ReplayPlan | None) -> tuple[list[dict], list[int]]:
+        """Give the K rows of each replayed group to its stored question and reserve the group's first row for the
+        stored trajectory. Returns the new inputs and, per local row, the plan index it replays (-1: fresh)."""
+        replay_rows = [-1] * len(inputs)
+        if plan is None:
+            return inputs, replay_rows
+        inputs = list(inputs)
+        offset = self.accelerator.process_index * len(inputs)
+        k = self.num_generations
+        splice = {}
+        for j, (group, row) in enumerate(zip(plan.group_indices, plan.rows)):
+            for global_row in range(group * k, (group + 1) * k):
+                local = global_row - offset
+                if 0 <= local < len(inputs):
+                    inputs[local] = dict(row)
+                    if global_row == group * k:
+                        replay_rows[local] = j
+                        splice[local] = plan.completion_ids[j]
+        self._exgrpo_splice = splice
+        return inputs, replay_rows
+
+    # ------------------------------------------------------------------------------------------ after scoring
+    def _exgrpo_after_scoring(self, inputs, output, plan: _ReplayPlan | None, replay_rows: list[int]) -> None:
+        cfg: ExGRPOConfig = self.args
+        k_gen = self.num_generations
+        device = output["completion_ids"].device
+        num_local = len(inputs)
+        offset = self.accelerator.process_index * num_local
+
+        # Success of every row of the whole batch, from the rewards TRL gathered across ranks.
+        rewards = self._exgrpo_rewards
+        weights = self.reward_weights.to(rewards.device)
+        total = (rewards * weights.unsqueeze(0)).nansum(dim=1)
+        solved = (total >= cfg.success_reward_threshold) & ~torch.isnan(rewards).all(dim=1)  # (N,)
+        successes = solved.view(-1, k_gen).sum(dim=1).tolist()  # k per global group
+        pass_at_1 = solved.float().mean().item()
+
+        collecting = self.exgrpo_state["replay_active"]  # the state this batch was generated under
+        eos_and_pad = {*self.eos_token_ids, self._tokenizer.pad_token_id}
+        completion_ids = self._exgrpo_completion_ids
+        groups, row_keys = [], {}
+        for local in range(num_local):
+            global_row = offset + local
+            group = global_row // k_gen
+            k = successes[group]
+            key = question_key(inputs[local]["prompt"])
+            if global_row % k_gen == 0 and k > 0:  # the rank holding a group's first row reports the group
+                keep_row = collecting and k < k_gen
+                groups.append((group, key, k, inputs[local] if keep_row else None))
+            if (
+                collecting
+                and 0 < k < k_gen
+                and bool(solved[global_row])
+                and replay_rows[local] < 0
+                and completion_ids[local]
+                and completion_ids[local][-1] in eos_and_pad  # never store a truncated completion
+            ):
+                row_keys[local] = (global_row, key)
+        spg = self.args.steps_per_generation
+        self._exgrpo_pending = _PendingCollection(
+            groups=groups,
+            row_keys=row_keys,
+            micro_batches_left=spg - self._step % spg,
+            step=self.state.global_step,
+        )
+
+        # Per-row keys for the loss: they follow TRL's shuffle and split of the batch.
+        output["exgrpo_row"] = torch.arange(num_local, device=device)
+        output["exgrpo_collect"] = torch.tensor([i in row_keys for i in range(num_local)], device=device)
+        if plan is not None:
+            replay_mask = torch.tensor([j >= 0 for j in replay_rows], device=device)
+            behaviour = torch.zeros(output["completion_ids"].shape, dtype=torch.float32, device=device)
+            for local, j in enumerate(replay_rows):
+                if j >= 0:
+                    logps = plan.behaviour_logps[j]
+                    behaviour[local, : logps.numel()] = logps.to(device)
+            output["exgrpo_replay_mask"] = replay_mask
+            output["exgrpo_behaviour_logps"] = behaviour
+
+        # Delayed start (SPEC §7): judged on a purely on-policy batch, effective from the next generation batch.
+        if not self.exgrpo_state["replay_active"] and pass_at_1 > (cfg.replay_start_pass_rate or 0.0):
+            self.exgrpo_state["replay_active"] = True
+            logger.info(f"ExGRPO: batch Pass@1 {pass_at_1:.3f} > {cfg.replay_start_pass_rate}: replay starts.")
+        self.exgrpo_state["generation_batches"] += 1
+
+        metrics = self._metrics["train"]
+        n_exp = len(plan.group_indices) if plan is not None else 0
+        metrics[METRIC_PREFIX + "replay/active"].append(float(collecting))
+        metrics[METRIC_PREFIX + "replay/fraction"].append(n_exp / max(1, len(successes)))
+        metrics[METRIC_PREFIX + "batch/pass_at_1"].append(pass_at_1)
+        if plan is not None and plan.selected_entropies:
+            mean_entropy = sum(plan.selected_entropies) / len(plan.selected_entropies)
+            metrics[METRIC_PREFIX + "replay/selected_entropy"].append(mean_entropy)
+        if self.accelerator.is_main_process:
+            self._exgrpo_log_buffer_metrics()
+
+    def _exgrpo_log_buffer_metrics(self) -> None:
+        buffer, metrics = self.experience_buffer, self._metrics["train"]
+        metrics[METRIC_PREFIX + "buffer/questions"].append(float(buffer.num_questions))
+        metrics[METRIC_PREFIX + "buffer/trajectories"].append(float(buffer.num_trajectories))
+        metrics[METRIC_PREFIX + "buffer/retired"].append(float(len(buffer.retired)))
+        for bucket, count in buffer.bucket_counts().items():
+            metrics[f"{METRIC_PREFIX}buffer/bucket_{bucket}"].append(float(count))
+
+    def _exgrpo_flush(self) -> None:
+        """Commit the pending batch outcome to the buffer. A collective: every rank calls it at the same point."""
+        pending, self._exgrpo_pending = self._exgrpo_pending, None
+        if pending is None:
+            return
+        trajectories = [
+            (pending.row_keys[local][0], pending.row_keys[local][1], ids, logps)
+            for local, (ids, logps) in pending.trajectories.items()
+        ]
+        gathered = gather_object([(pending.groups, trajectories)])
+        groups = sorted(g for rank_groups, _ in gathered for g in rank_groups)
+        by_key: dict[str, list[Trajectory]] = {}
+        if self.accelerator.is_main_process:
+            for global_row, key, ids, logps in sorted(t for _, rank_trajs in gathered for t in rank_trajs):
+                by_key.setdefault(key, []).append(Trajectory(ids, logps, pending.step))
+        for _, key, k, row in groups:
+            if self.accelerator.is_main_process:
+                self.experience_buffer.update_group(key, k, row, by_key.pop(key, ()))
+            elif k == self.num_generations:  # other ranks keep only the retired set (for the sampler)
+                self.experience_buffer.retire(key)
+
+    # ------------------------------------------------------------------------------------------ loss
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+        )
+        if self._exgrpo_capture:
+            self._exgrpo_captured_logps = logps
+        return logps, entropies, aux_loss
+
+    def _compute_loss(self, model, inputs):
+        training = self.model.training
+        replay = training and "exgrpo_replay_mask" in inputs
+        pending = self._exgrpo_pending
+        collect = training and pending is not None and pending.micro_batches_left > 0 and "exgrpo_row" in inputs
+        if not (replay or collect):
+            return super()._compute_loss(model, inputs)
+
+        inputs_for_trl = inputs
+        if replay:
+            replay_mask = inputs["exgrpo_replay_mask"]  # (B,)
+            # Replayed rows add nothing to TRL's fresh-token loss but still count in its normaliser.
+            inputs_for_trl = {**inputs, "advantages": inputs["advantages"].masked_fill(replay_mask, 0.0)}
+        self._exgrpo_capture = True
+        try:
+            loss = super()._compute_loss(model, inputs_for_trl)
+            per_token_logps = self._exgrpo_captured_logps  # (B, T), with grad
+        finally:
+            self._exgrpo_capture, self._exgrpo_captured_logps = False, None
+
+        if collect:
+            self._exgrpo_record_behaviour_logps(inputs, per_token_logps)
+        if replay:
+            loss = loss + self._exgrpo_replay_loss(inputs, per_token_logps)
+        return loss
+
+    def _exgrpo_record_behaviour_logps(self, inputs, per_token_logps: torch.Tensor) -> None:
+        pending = self._exgrpo_pending
+        behaviour = inputs.get("old_per_token_logps")
+        behaviour = per_token_logps.detach() if behaviour is None else behaviour  # (B, T)
+        rows = inputs["exgrpo_row"].tolist()
+        for position in inputs["exgrpo_collect"].nonzero().flatten().tolist():
+            length = int(inputs["completion_mask"][position].sum())
+            ids = inputs["completion_ids"][position, :length].tolist()
+            pending.trajectories[rows[position]] = (ids, behaviour[position, :length].float().cpu().tolist())
+        pending.micro_batches_left -= 1
+        if pending.micro_batches_left == 0:
+            self._exgrpo_flush()
+
+    def _exgrpo_replay_loss(self, inputs, per_token_logps: torch.Tensor) -> torch.Tensor:
+        cfg: ExGRPOConfig = self.args
+        replay_mask = inputs["exgrpo_replay_mask"].unsqueeze(1)  # (B, 1)
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        advantages = inputs["advantages"]
+        advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1)
+        per_token_loss, w, shaped = shaped_replay_token_loss(
+            per_token_logps,
+            inputs["exgrpo_behaviour_logps"],
+            advantages,
+            gamma=cfg.policy_shaping_gamma,
+            importance_correction=cfg.replay_importance_correction,
+        )
+        per_token_loss = per_token_loss * replay_mask  # (B, T): fresh rows are TRL's
+        replay_loss = aggregate_token_loss(
+            per_token_loss,
+            mask,
+            loss_type=self.loss_type,
+            max_completion_length=self.max_completion_length,
+            num_items_in_batch=inputs.get("num_items_in_batch"),
+            num_processes=self.accelerator.num_processes,
+            gradient_accumulation_steps=self.current_gradient_accumulation_steps,
+            steps_per_generation=self.args.steps_per_generation,
+            training=True,
+        )
+        # Statistics over replayed tokens of all ranks: one collective per micro-batch, on every rank.
+        token_mask = (mask * replay_mask).bool()  # (B, T)
+        local = torch.stack(
+            [
+                w[token_mask].sum(),
+                shaped[token_mask].sum(),
+                token_mask.sum().to(w.dtype),
+                w[token_mask].max() if token_mask.any() else w.new_tensor(0.0),
+                replay_loss.detach(),
+            ]
+        ).float()
+        stats = self.accelerator.gather(local.unsqueeze(0))  # (world, 5)
+        count = stats[:, 2].sum().item()
+        metrics = self._metrics["train"]
+        if count > 0:
+            metrics[METRIC_PREFIX + "replay/is_weight_mean"].append(stats[:, 0].sum().item() / count)
+            metrics[METRIC_PREFIX + "replay/is_weight_max"].append(stats[:, 3].max().item())
+            metrics[METRIC_PREFIX + "replay/shaped_weight_mean"].append(stats[:, 1].sum().item() / count)
+        metrics[METRIC_PREFIX + "replay/loss"].append(stats[:, 4].mean().item())
+        return replay_loss
