@@ -88,7 +88,10 @@ class ExGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        self._validate_exgrpo_fields()
         super().__post_init__()
+
+    def _validate_exgrpo_fields(self):
         if not 0.0 <= self.replay_ratio <= 1.0:
             raise ValueError(f"replay_ratio must be in [0, 1], got {self.replay_ratio}.")
         if self.replay_start_pass_rate is not None and not 0.0 <= self.replay_start_pass_rate < 1.0:
@@ -113,7 +116,7 @@ class ExGRPOConfig(GRPOConfig):
                 f"policy_shaping_gamma must be > 0, or None for the plain importance ratio; "
                 f"got {self.policy_shaping_gamma}."
             )
-        if self.num_generations is None or self.num_generations < 2:
+        if self.num_generations is not None and self.num_generations < 2:
             raise ValueError(
                 f"num_generations must be >= 2 for ExGRPO (a group needs K-1 fresh rollouts beside a replayed one "
                 f"and success buckets 1..K-1); got {self.num_generations}."

@@ -1,0 +1,67 @@
+"""Shared fixtures: a tiny Qwen2-shaped model and a char tokenizer built locally, and a synthetic verifiable task.
+
+The synthetic reward makes an untrained model score about half of its rollouts, so groups land in every success
+bucket without any warm start: a completion counts as solved when it ends with EOS within 6 tokens. Rows whose
+`always` column is True are solved whatever the completion, so their groups are K/K and the question retires.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from exgrpo_trl.toy import build_char_tokenizer
+
+    return build_char_tokenizer()
+
+
+def make_model(tokenizer, seed: int = 0):
+    from exgrpo_trl.toy import build_tiny_model
+
+    return build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, seed=seed)
+
+
+def synthetic_dataset(n: int = 48, always_every: int = 8):
+    from datasets import Dataset
+
+    prompts = [f"{a}+{b}=" for a in range(10) for b in range(10)][:n]
+    return Dataset.from_dict({"prompt": prompts, "always": [i % always_every == 0 for i in range(n)]})
+
+
+def make_reward(tokenizer):
+    eos = tokenizer.eos_token_id
+
+    def short_answer_reward(completion_ids, always, **kwargs):
+        return [1.0 if (a or (eos in ids and len(ids) <= 6)) else 0.0 for ids, a in zip(completion_ids, always)]
+
+    return short_answer_reward
+
+
+def config_kwargs(tmp_path, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=32,
+        num_generations=8,
+        max_completion_length=12,
+        learning_rate=1e-4,
+        max_steps=4,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        seed=0,
+        loss_type="dr_grpo",
+        scale_rewards="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    kwargs.update(overrides)
+    return kwargs

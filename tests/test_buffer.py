@@ -1,0 +1,130 @@
+"""ExperienceBuffer: bucket probabilities, capped sampling, retirement, de-duplication, RNG isolation (SPEC §2-5)."""
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from exgrpo_trl.buffer import ExperienceBuffer, Trajectory, gaussian_bucket_probabilities, question_key
+
+
+def traj(*ids, step=0):
+    return Trajectory(np.array(ids), np.full(len(ids), -0.5), step)
+
+
+def filled(sizes: dict[int, int], seed=0, k=8, **kwargs) -> ExperienceBuffer:
+    """A buffer with sizes[b] questions in bucket b, named 'b<b>-<i>', one trajectory each."""
+    buffer = ExperienceBuffer(k, seed=seed, **kwargs)
+    for bucket, size in sizes.items():
+        for i in range(size):
+            buffer.update_group(f"b{bucket}-{i}", bucket, {"prompt": f"b{bucket}-{i}"}, [traj(bucket, i)])
+    return buffer
+
+
+def test_bucket_probabilities_k8_match_spec():
+    # SPEC §5: weight(k) = exp(-(k - 4)^2 / 2) for K=8, mu=.5, sigma=1: 1, e^-.5=.60653, e^-2=.13534, e^-4.5=.011109;
+    # sum = 1 + 2 * (.60653 + .13534 + .011109) = 2.50596; p4 = .39905, p3 = .24204, p2 = .05401, p1 = .00443.
+    expected = {1: 0.0044, 2: 0.0540, 3: 0.2420, 4: 0.3990, 5: 0.2420, 6: 0.0540, 7: 0.0044}
+    probs = gaussian_bucket_probabilities(range(1, 8), 8, mu=0.5, sigma=1.0)
+    assert set(probs) == set(expected)
+    for k, p in expected.items():
+        assert probs[k] == pytest.approx(p, abs=1e-3)
+    assert sum(probs.values()) == pytest.approx(1.0, abs=1e-12)
+    # The same through a buffer whose every bucket holds questions (sizes differ: probabilities must not).
+    buffer_probs = filled({1: 1, 2: 5, 3: 2, 4: 9, 5: 1, 6: 3, 7: 4}).bucket_probabilities()
+    for k in expected:
+        assert buffer_probs[k] == pytest.approx(probs[k], abs=1e-12)
+
+
+def test_empty_buckets_renormalise():
+    # Non-empty {3, 4, 7}: weights e^-.5 = .606531, 1, e^-4.5 = .011109; sum 1.617640.
+    probs = filled({3: 2, 4: 1, 7: 5}).bucket_probabilities()
+    assert set(probs) == {3, 4, 7}
+    assert probs[3] == pytest.approx(0.606531 / 1.617640, abs=1e-6)
+    assert probs[4] == pytest.approx(1.0 / 1.617640, abs=1e-6)
+    assert probs[7] == pytest.approx(0.011109 / 1.617640, abs=1e-6)
+
+
+def test_sampling_caps_buckets_and_never_repeats():
+    # 13 questions: 2 in bucket 4, 1 in bucket 3, 10 in bucket 1. Asking for 12 forces the caps: buckets 4 and 3
+    # (together ~64% of the mass) give all they have, the remaining 9 come from bucket 1.
+    buffer = filled({4: 2, 3: 1, 1: 10})
+    for _ in range(20):
+        picked = buffer.sample_questions(12)
+        assert len(picked) == len(set(picked)) == 12
+        per_bucket = {b: sum(key.startswith(f"b{b}-") for key in picked) for b in (1, 3, 4)}
+        assert per_bucket == {4: 2, 3: 1, 1: 9}
+    assert sorted(buffer.sample_questions(100)) == sorted(buffer.questions)  # capped at the buffer's size
+
+
+def test_sampling_frequencies_follow_bucket_probabilities():
+    buffer = filled({b: 40 for b in range(1, 8)}, seed=3)
+    probs = buffer.bucket_probabilities()
+    draws = 20000
+    counts = dict.fromkeys(range(1, 8), 0)
+    for _ in range(draws):
+        (key,) = buffer.sample_questions(1)
+        counts[int(key[1])] += 1
+    for b, p in probs.items():
+        sigma = math.sqrt(p * (1 - p) / draws)
+        assert abs(counts[b] / draws - p) < 4.5 * sigma + 1e-4, (b, counts[b] / draws, p)
+
+
+def test_uniform_question_selection_ignores_buckets():
+    buffer = filled({1: 30, 4: 30}, question_selection="uniform", seed=1)
+    draws = 4000
+    bucket1 = sum(buffer.sample_questions(1)[0].startswith("b1-") for _ in range(draws))
+    # uniform over 60 questions: P(bucket 1) = .5, sigma = sqrt(.25 / 4000) = .0079
+    assert abs(bucket1 / draws - 0.5) < 4.5 * 0.0079
+
+
+def test_sampling_reproducible_from_seed_and_leaves_global_rngs_alone():
+    torch.manual_seed(123)
+    np.random.seed(123)
+    random.seed(123)
+    before = (torch.get_rng_state().clone(), np.random.get_state()[1].copy(), random.getstate())
+    a = [filled({1: 5, 3: 5, 4: 5, 6: 5}, seed=7).sample_questions(6) for _ in range(2)]
+    b = filled({1: 5, 3: 5, 4: 5, 6: 5}, seed=8)
+    b_draws = [b.sample_questions(6) for _ in range(5)]
+    after = (torch.get_rng_state(), np.random.get_state()[1], random.getstate())
+    assert a[0] == a[1]  # same seed, same contents: same draw
+    assert any(d != a[0] for d in b_draws)  # another seed draws differently
+    assert torch.equal(before[0], after[0])
+    assert np.array_equal(before[1], after[1])
+    assert before[2] == after[2]
+
+
+def test_update_group_buckets_retirement_and_dedup():
+    buffer = ExperienceBuffer(8)
+    row = {"prompt": "1+1=", "answer": "2"}
+    assert buffer.update_group("q", 3, row, [traj(1, 2), traj(1, 2), traj(3)]) == 2  # the duplicate is dropped
+    assert buffer.bucket_counts()[3] == 1 and buffer.num_trajectories == 2
+    assert buffer.update_group("q", 5, row, [traj(3), traj(4, 5)]) == 1  # (3,) is already stored
+    assert buffer.questions["q"].k == 5 and buffer.num_trajectories == 3
+    assert buffer.update_group("q", 0) == 0  # 0/K: the entry keeps its bucket and trajectories
+    assert buffer.questions["q"].k == 5 and buffer.num_trajectories == 3
+    assert buffer.update_group("new", 2, {"prompt": "x"}, []) == 0 and "new" not in buffer  # needs a trajectory
+    buffer.update_group("q", 8)  # K/K: retired, removed
+    assert "q" not in buffer and buffer.retired == {"q"} and buffer.num_trajectories == 0
+    assert buffer.update_group("q", 4, row, [traj(9)]) == 0 and "q" not in buffer  # retirement is permanent
+    assert buffer.sample_questions(3) == []
+    with pytest.raises(ValueError, match="success count"):
+        buffer.update_group("q", 9)
+
+
+def test_trajectory_storage_is_six_bytes_per_token():
+    t = Trajectory(np.arange(10), np.linspace(-3, 0, 10), step=4)
+    assert t.completion_ids.dtype == np.int32 and t.logps.dtype == np.float16
+    assert t.completion_ids.nbytes + t.logps.nbytes == 60
+    with pytest.raises(ValueError, match="same length"):
+        Trajectory(np.arange(3), np.zeros(2), 0)
+
+
+def test_question_key_is_stable_and_distinguishes_prompts():
+    assert question_key("1+1=") == question_key("1+1=")
+    assert question_key("1+1=") != question_key("1+2=")
+    messages = [{"role": "user", "content": "hi"}]
+    assert question_key(messages) == question_key([{"content": "hi", "role": "user"}])
+    assert len(question_key(messages)) == 32

@@ -1,0 +1,65 @@
+"""ExGRPOConfig: the paper's defaults and clear errors for bad values."""
+
+import pytest
+
+from exgrpo_trl import ExGRPOConfig
+
+
+def make(tmp_path, **kwargs):
+    return ExGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], num_generations=8,
+                        per_device_train_batch_size=8, **kwargs)
+
+
+def test_defaults_are_the_papers(tmp_path):
+    cfg = make(tmp_path)
+    assert (cfg.replay_ratio, cfg.replay_start_pass_rate, cfg.replay_mu, cfg.replay_sigma) == (0.5, 0.35, 0.5, 1.0)
+    assert (cfg.question_selection, cfg.trajectory_selection) == ("gaussian", "lowest_entropy")
+    assert (cfg.policy_shaping_gamma, cfg.replay_importance_correction) == (0.1, True)
+    assert (cfg.success_reward_threshold, cfg.skip_retired_questions) == (1.0, True)
+
+
+def test_every_field_has_help():
+    from dataclasses import fields
+
+    from trl import GRPOConfig
+
+    own = {f.name for f in fields(ExGRPOConfig)} - {f.name for f in fields(GRPOConfig)}
+    assert own == {
+        "replay_ratio", "replay_start_pass_rate", "replay_mu", "replay_sigma", "question_selection",
+        "trajectory_selection", "policy_shaping_gamma", "replay_importance_correction", "success_reward_threshold",
+        "skip_retired_questions",
+    }
+    for f in fields(ExGRPOConfig):
+        if f.name in own:
+            assert len(f.metadata.get("help", "")) > 20, f.name
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"replay_ratio": 1.5}, r"replay_ratio must be in \[0, 1\]"),
+        ({"replay_ratio": -0.1}, r"replay_ratio must be in \[0, 1\]"),
+        ({"policy_shaping_gamma": 0.0}, "policy_shaping_gamma must be > 0"),
+        ({"policy_shaping_gamma": -1.0}, "policy_shaping_gamma must be > 0"),
+        ({"replay_sigma": 0.0}, "replay_sigma must be > 0"),
+        ({"replay_mu": 1.2}, r"replay_mu must be in \[0, 1\]"),
+        ({"replay_start_pass_rate": 1.0}, "replay_start_pass_rate must be None or in"),
+        ({"question_selection": "greedy"}, "question_selection must be one of"),
+        ({"trajectory_selection": "shortest"}, "trajectory_selection must be one of"),
+    ],
+)
+def test_bad_values_name_the_field(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make(tmp_path, **kwargs)
+
+
+def test_num_generations_below_two_rejected(tmp_path):
+    with pytest.raises(ValueError, match="num_generations must be >= 2"):
+        ExGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, num_generations=1,
+                     per_device_train_batch_size=8)
+
+
+def test_ablation_values_accepted(tmp_path):
+    cfg = make(tmp_path, policy_shaping_gamma=None, replay_importance_correction=False, replay_start_pass_rate=None,
+               question_selection="uniform", trajectory_selection="random", replay_ratio=0.0)
+    assert cfg.policy_shaping_gamma is None and cfg.replay_start_pass_rate is None
