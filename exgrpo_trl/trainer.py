@@ -50,10 +50,12 @@ class _PendingCollection:
 
 
 class _SkipRetiredSampler(torch.utils.data.Sampler):
-    """Wraps TRL's RepeatSampler so that each new epoch draws only questions that are not retired (SPEC §4).
+    """Wraps TRL's RepeatSampler so that fresh questions are drawn only among those not retired (SPEC §4).
 
-    The inner sampler permutes `num_samples` positions with its own generator; we point those positions at the
-    indices of the non-retired rows, so the ordering logic stays TRL's own.
+    The inner sampler permutes `num_samples` positions with its own generator; we point those positions at the rows
+    that were not retired when the pass began, so the ordering logic stays TRL's own. An epoch keeps its nominal
+    number of batches (the Trainer sized the run from it, so `max_steps` is honoured): when the remaining questions
+    run out, a new pass over them begins.
     """
 
     def __init__(self, inner, prompts_fn, retired: set[str]):
@@ -71,14 +73,24 @@ class _SkipRetiredSampler(torch.utils.data.Sampler):
             return
         if self._keys is None:
             self._keys = [question_key(p) for p in self._prompts_fn()]
-        active = [i for i, key in enumerate(self._keys) if key not in self.retired]
-        full = self.inner.num_samples
-        self.inner.num_samples = len(active)
-        try:
-            for position in self.inner:
-                yield active[position]
-        finally:
-            self.inner.num_samples = full
+        nominal, produced, full = len(self.inner), 0, self.inner.num_samples
+        while produced < nominal:
+            active = [i for i, key in enumerate(self._keys) if key not in self.retired]
+            if len(active) < self.inner.batch_size:
+                logger.warning(
+                    f"ExGRPO: only {len(active)} questions are not retired, fewer than one batch "
+                    f"({self.inner.batch_size}); drawing from the whole dataset again."
+                )
+                active = list(range(full))
+            self.inner.num_samples = len(active)
+            try:
+                for position in self.inner:
+                    yield active[position]
+                    produced += 1
+                    if produced == nominal:
+                        return
+            finally:
+                self.inner.num_samples = full
 
 
 class ExGRPOTrainer(GRPOTrainer):

@@ -1,0 +1,179 @@
+"""Short training runs with replay on: the mixed groups, the buffer, retirement, delayed start, metrics, eval."""
+
+import math
+
+import pytest
+import torch
+
+from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
+from exgrpo_trl.buffer import question_key
+from exgrpo_trl.trainer import REPLAYED_COLUMN
+
+from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
+
+
+class RecordingTrainer(ExGRPOTrainer):
+    """Records, per generation batch, the buffer as the plan saw it, the plan, and the batch TRL scored."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.batches = []
+
+    def _exgrpo_make_plan(self, num_local):
+        buffer = self.experience_buffer
+        snapshot = {
+            "questions": buffer.num_questions,
+            "trajectories": {k: [t.completion_ids.tolist() for t in e.trajectories] for k, e in buffer.questions.items()},
+            "retired": set(buffer.retired),
+            "active": self.exgrpo_state["replay_active"],
+        }
+        plan = super()._exgrpo_make_plan(num_local)
+        self.batches.append({"before": snapshot, "plan": plan})
+        return plan
+
+    def _exgrpo_apply_plan(self, inputs, plan):
+        inputs, replay_rows = super()._exgrpo_apply_plan(inputs, plan)
+        self.batches[-1]["prompts"] = [x["prompt"] for x in inputs]
+        return inputs, replay_rows
+
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self.model.training:
+            self.batches[-1]["output"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in output.items()}
+            self.batches[-1]["after"] = self.experience_buffer.num_trajectories
+        return output
+
+
+def run(tmp_path, tokenizer, dataset=None, **overrides):
+    kwargs = config_kwargs(tmp_path, **{"replay_start_pass_rate": 0.0, **overrides})
+    trainer = RecordingTrainer(model=make_model(tokenizer), reward_funcs=make_reward(tokenizer),
+                               args=ExGRPOConfig(**kwargs), train_dataset=dataset or synthetic_dataset(),
+                               processing_class=tokenizer)
+    trainer.train()
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def replay_run(tmp_path_factory, tokenizer):
+    return run(tmp_path_factory.mktemp("replay"), tokenizer, max_steps=6)
+
+
+def test_mixed_groups(replay_run):
+    k = 8
+    replayed_batches = 0
+    for batch in replay_run.batches:
+        plan, out, before = batch["plan"], batch["output"], batch["before"]
+        num_groups = len(batch["prompts"]) // k  # 32 rows -> 4 groups
+        expected = min(before["questions"], math.floor(0.5 * num_groups))
+        assert (0 if plan is None else len(plan.group_indices)) == expected
+        replay_mask = out.get("exgrpo_replay_mask", torch.zeros(len(batch["prompts"]), dtype=torch.bool))
+        assert int(replay_mask.sum()) == expected
+        if plan is None:
+            continue
+        replayed_batches += 1
+        assert plan.group_indices == list(range(num_groups - expected, num_groups))
+        for j, group in enumerate(plan.group_indices):
+            rows = range(group * k, (group + 1) * k)
+            # exactly one stored trajectory (the group's first row) and K-1 fresh rollouts, all of the same question
+            assert [bool(replay_mask[r]) for r in rows] == [True] + [False] * (k - 1)
+            assert {question_key(batch["prompts"][r]) for r in rows} == {plan.keys[j]}
+            slot = rows[0]
+            length = int(out["completion_mask"][slot].sum())
+            spliced = out["completion_ids"][slot, :length].tolist()
+            assert spliced == plan.completion_ids[j]  # the selected trajectory, token for token
+            assert spliced in before["trajectories"][plan.keys[j]]  # ... which was stored for that question
+            logps = out["exgrpo_behaviour_logps"][slot]
+            assert torch.all(logps[:length] < 0) and torch.all(logps[length:] == 0)
+            assert plan.keys[j] not in before["retired"]  # retired questions are never replayed
+        assert len(set(plan.keys)) == len(plan.keys)
+    assert replayed_batches >= 4
+
+
+def test_buffer_grows_and_metrics_logged(replay_run):
+    sizes = [b["after"] for b in replay_run.batches]
+    assert sizes[0] == 0 and sizes[-1] > sizes[1] > 0, sizes  # collection lands after each batch's first pass
+    history = [h for h in replay_run.state.log_history if "loss" in h]
+    expected = {
+        "exgrpo/buffer/questions", "exgrpo/buffer/trajectories", "exgrpo/buffer/retired", "exgrpo/replay/active",
+        "exgrpo/replay/fraction", "exgrpo/replay/selected_entropy", "exgrpo/replay/is_weight_mean",
+        "exgrpo/replay/is_weight_max", "exgrpo/replay/shaped_weight_mean",
+    } | {f"exgrpo/buffer/bucket_{b}" for b in range(1, 8)}
+    assert expected <= set(history[-1]), expected - set(history[-1])
+    assert history[-1]["exgrpo/replay/fraction"] == 0.5
+    assert history[-1]["exgrpo/buffer/questions"] == sum(history[-1][f"exgrpo/buffer/bucket_{b}"] for b in range(1, 8))
+    # the completions table marks the replayed rows
+    marks = replay_run._logs["extra"][REPLAYED_COLUMN]
+    assert sum(bool(m) for m in marks) >= 2 and len(marks) == len(replay_run._logs["prompt"])
+
+
+def test_behaviour_logps_are_the_generating_policys(tmp_path, tokenizer):
+    """With lr = 0 the policy never moves, so every stored behaviour log-prob must equal the policy's log-prob of
+    that token recomputed independently (float16 storage: |error| <= 5e-4 * |logp|), and replayed weights are 1."""
+    trainer = run(tmp_path, tokenizer, max_steps=3, learning_rate=0.0)
+    model = trainer.model.eval()
+    checked = 0
+    for key, entry in trainer.experience_buffer.questions.items():
+        prompt_ids = tokenizer(entry.row["prompt"])["input_ids"]
+        for t in entry.trajectories:
+            ids = torch.tensor([prompt_ids + t.completion_ids.tolist()])
+            with torch.no_grad():
+                logits = model(ids).logits[0, len(prompt_ids) - 1 : -1]
+            reference = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(t.completion_ids).long()[:, None])
+            stored = torch.tensor(t.logps.astype("float32"))
+            assert torch.allclose(stored, reference[:, 0], atol=2e-3, rtol=1e-3)
+            checked += 1
+    assert checked > 5
+    history = [h for h in trainer.state.log_history if "exgrpo/replay/is_weight_mean" in h]
+    assert history and all(abs(h["exgrpo/replay/is_weight_mean"] - 1) < 5e-3 for h in history)
+
+
+def test_retired_questions_are_skipped_from_the_next_epoch(tmp_path, tokenizer):
+    # 16 questions, 4 groups per batch: epoch 1 is 4 batches. Every 4th question is always solved (K/K) and retires
+    # when seen (replayed groups take the place of fresh ones, so some may go unseen in epoch 1); from epoch 2 on
+    # the retired ones must not come back as fresh questions, and the epoch shrinks accordingly.
+    dataset = synthetic_dataset(n=16, always_every=4)
+    trainer = run(tmp_path, tokenizer, dataset=dataset, max_steps=8)
+    epoch2 = trainer.batches[4:]
+    retired_after_epoch1 = epoch2[0]["before"]["retired"]
+    always = {question_key(p) for p, a in zip(dataset["prompt"], dataset["always"]) if a}
+    assert retired_after_epoch1 and retired_after_epoch1 <= always
+    for batch in epoch2:
+        plan = batch["plan"]
+        replayed = set(plan.group_indices) if plan else set()
+        fresh = {question_key(batch["prompts"][g * 8]) for g in range(4) if g not in replayed}
+        assert not fresh & retired_after_epoch1
+    # The epoch keeps its 4 batches (a new pass over the remaining questions fills it), so max_steps is honoured.
+    assert len(epoch2) == 4 and trainer.state.global_step == 8
+
+
+def test_delayed_start(tmp_path, tokenizer):
+    # Replay switches on after the first purely on-policy batch whose Pass@1 is strictly above the threshold, from
+    # the next generation batch on, and stays on. The synthetic reward solves 30-60% of an untrained model's rollouts.
+    on = run(tmp_path / "on", tokenizer, max_steps=4, replay_start_pass_rate=0.35)
+    pass_at_1 = [h["exgrpo/batch/pass_at_1"] for h in on.state.log_history if "loss" in h]
+    active = [b["before"]["active"] for b in on.batches]
+    expected = [any(p > 0.35 for p in pass_at_1[:i]) for i in range(4)]
+    assert active == expected and True in active and active[0] is False, (pass_at_1, active)
+    switch = active.index(True)
+    assert all(b["after"] == 0 for b in on.batches[:switch])  # nothing collected before the switch
+    assert on.experience_buffer.num_trajectories > 0 and on.exgrpo_state["replay_active"]
+    off = run(tmp_path / "off", tokenizer, max_steps=3, replay_start_pass_rate=0.95)
+    assert all(b["plan"] is None for b in off.batches)
+    assert off.experience_buffer.num_questions == 0 and not off.exgrpo_state["replay_active"]
+    assert [h["exgrpo/replay/active"] for h in off.state.log_history if "loss" in h] == [0.0] * 3
+
+
+def test_evaluation_never_replays_or_collects(tmp_path, tokenizer):
+    trainer = run(tmp_path, tokenizer, max_steps=2, eval_strategy="no", per_device_eval_batch_size=16)
+    buffer = trainer.experience_buffer
+    before = (buffer.num_questions, buffer.num_trajectories, set(buffer.retired), len(trainer.batches))
+    metrics = trainer.evaluate(synthetic_dataset(n=8))
+    assert (buffer.num_questions, buffer.num_trajectories, set(buffer.retired), len(trainer.batches)) == before
+    assert "eval_exgrpo/replay/fraction" not in metrics and "eval_loss" in metrics
+
+
+@pytest.mark.parametrize("selection", ["random", "highest_entropy"])
+def test_selection_ablations_run(tmp_path, tokenizer, selection):
+    trainer = run(tmp_path, tokenizer, max_steps=3, trajectory_selection=selection, question_selection="uniform",
+                  policy_shaping_gamma=None, replay_importance_correction=False)
+    assert any(b["plan"] is not None for b in trainer.batches)
