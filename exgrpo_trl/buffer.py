@@ -51,7 +51,7 @@ def gaussian_bucket_probabilities(
     return {k: w / total for k, w in zip(buckets, weights)}
 
 
-@dataclass
+@dataclass(slots=True)
 class Trajectory:
     """One stored successful completion: its token ids and the behaviour policy's per-token log-probs."""
 
@@ -69,7 +69,7 @@ class Trajectory:
             )
 
 
-@dataclass
+@dataclass(slots=True)
 class QuestionEntry:
     """A question in the buffer: the dataset row to re-score it with, its latest success count, its trajectories."""
 
@@ -111,6 +111,8 @@ class ExperienceBuffer:
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.questions: dict[str, QuestionEntry] = {}  # insertion-ordered: sampling is reproducible
         self.retired: set[str] = set()
+        # bucket k -> its questions (a dict used as an ordered set), kept in step with `questions`
+        self._buckets: dict[int, dict[str, None]] = {k: {} for k in range(1, num_generations)}
 
     # ------------------------------------------------------------------ sizes
     def __len__(self) -> int:
@@ -133,15 +135,19 @@ class ExperienceBuffer:
 
     def bucket_counts(self) -> dict[int, int]:
         """Number of questions per bucket k = 1..K-1 (empty buckets included, as 0)."""
-        counts = dict.fromkeys(range(1, self.num_generations), 0)
-        for entry in self.questions.values():
-            counts[entry.k] += 1
-        return counts
+        return {k: len(members) for k, members in self._buckets.items()}
+
+    def _set_bucket(self, key: str, entry: QuestionEntry, k: int) -> None:
+        self._buckets[entry.k].pop(key, None)
+        entry.k = k
+        self._buckets[k][key] = None
 
     # ------------------------------------------------------------------ collection
     def retire(self, key: str) -> None:
         """Permanently retire a question (SPEC §4): it leaves the buffer and is never replayed again."""
-        self.questions.pop(key, None)
+        entry = self.questions.pop(key, None)
+        if entry is not None:
+            self._buckets[entry.k].pop(key, None)
         self.retired.add(key)
 
     def update_group(
@@ -166,7 +172,7 @@ class ExperienceBuffer:
             if row is None:
                 raise ValueError(f"a new question ({key}) needs its dataset row to be stored")
             entry = self.questions[key] = QuestionEntry(row=dict(row), k=k)
-        entry.k = k
+        self._set_bucket(key, entry, k)
         added = 0
         for trajectory in trajectories:
             if not any(_same_ids(trajectory.completion_ids, t.completion_ids) for t in entry.trajectories):
@@ -191,18 +197,15 @@ class ExperienceBuffer:
             picked = self.rng.choice(len(keys), size=n, replace=False)
             return [keys[i] for i in picked]
 
-        by_bucket: dict[int, list[str]] = {}
-        for key, entry in self.questions.items():
-            by_bucket.setdefault(entry.k, []).append(key)
-        buckets = sorted(by_bucket)
+        buckets = [b for b, members in self._buckets.items() if members]
         probs = self.bucket_probabilities()
         p = np.array([probs[b] for b in buckets], dtype=np.float64)
-        sizes = np.array([len(by_bucket[b]) for b in buckets], dtype=np.int64)
+        sizes = np.array([len(self._buckets[b]) for b in buckets], dtype=np.int64)
         counts = _capped_multinomial(self.rng, n, p, sizes)
         sampled: list[str] = []
         for bucket, count in zip(buckets, counts):
             if count:
-                members = by_bucket[bucket]
+                members = list(self._buckets[bucket])
                 sampled += [members[i] for i in self.rng.choice(len(members), size=int(count), replace=False)]
         return sampled
 
@@ -219,6 +222,70 @@ class ExperienceBuffer:
             "question_selection": self.question_selection,
             "seed": self.seed,
         }
+
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The whole buffer as flat arrays (for safetensors) and JSON-able metadata; no pickle anywhere.
+
+        Arrays: every stored token's id and behaviour log-prob concatenated (questions in buffer order, trajectories
+        in stored order), each trajectory's length and collection step. Metadata: the config, the sampler's random
+        generator state, the questions (key, bucket, dataset row, number of trajectories) and the retired set.
+        """
+        trajectories = [t for entry in self.questions.values() for t in entry.trajectories]
+        arrays = {
+            "completion_ids": _concat([t.completion_ids for t in trajectories], IDS_DTYPE),
+            "logps": _concat([t.logps for t in trajectories], LOGPS_DTYPE),
+            "lengths": np.array([t.completion_ids.size for t in trajectories], dtype=np.int64),
+            "steps": np.array([t.step for t in trajectories], dtype=np.int64),
+        }
+        meta = {
+            "config": self.config_dict(),
+            "rng_state": self.rng.bit_generator.state,
+            "questions": [
+                {"key": key, "k": e.k, "num_trajectories": len(e.trajectories), "row": e.row}
+                for key, e in self.questions.items()
+            ],
+            "retired": sorted(self.retired),
+        }
+        return arrays, meta
+
+    def load_state_dict(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        """Restore what `state_dict` produced. Raises ValueError if the arrays and metadata do not fit together."""
+        config = meta["config"]
+        if config["num_generations"] != self.num_generations:
+            raise ValueError(
+                f"the saved buffer was built with num_generations={config['num_generations']}, this run uses "
+                f"{self.num_generations}"
+            )
+        lengths, steps = arrays["lengths"], arrays["steps"]
+        ids, logps = arrays["completion_ids"], arrays["logps"]
+        counts = [q["num_trajectories"] for q in meta["questions"]]
+        if sum(counts) != lengths.size or steps.size != lengths.size:
+            raise ValueError(f"{sum(counts)} trajectories listed but {lengths.size} lengths / {steps.size} steps saved")
+        if int(lengths.sum()) != ids.size or ids.size != logps.size:
+            raise ValueError(f"lengths add up to {int(lengths.sum())} tokens, but {ids.size} ids and {logps.size} "
+                             "log-probs were saved")
+        self.mu, self.sigma = config["mu"], config["sigma"]
+        self.question_selection, self.seed = config["question_selection"], config["seed"]
+        self.rng.bit_generator.state = meta["rng_state"]
+        self.questions.clear()
+        for members in self._buckets.values():
+            members.clear()
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        t = 0
+        for q in meta["questions"]:
+            entry = QuestionEntry(row=q["row"], k=q["k"])
+            for _ in range(q["num_trajectories"]):
+                start, end = offsets[t], offsets[t + 1]
+                entry.trajectories.append(Trajectory(ids[start:end], logps[start:end], int(steps[t])))
+                t += 1
+            self.questions[q["key"]] = entry
+            self._buckets[q["k"]][q["key"]] = None
+        self.retired.clear()
+        self.retired.update(meta["retired"])
+
+
+def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype=dtype)
 
 
 def _same_ids(a: np.ndarray, b: np.ndarray) -> bool:

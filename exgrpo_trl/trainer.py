@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import textwrap
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,12 +13,14 @@ import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.models.utils import disable_gradient_checkpointing
 
 from .buffer import ExperienceBuffer, Trajectory, question_key
 from .config import ExGRPOConfig
 from .loss import SUPPORTED_LOSS_TYPES, aggregate_token_loss, shaped_replay_token_loss
 from .scoring import masked_mean_per_row, pad_prompt_completion
+from .state import has_state, load_state, save_state
 
 logger = logging.get_logger(__name__)
 
@@ -55,7 +58,8 @@ class _SkipRetiredSampler(torch.utils.data.Sampler):
     The inner sampler permutes `num_samples` positions with its own generator; we point those positions at the rows
     that were not retired when the pass began, so the ordering logic stays TRL's own. An epoch keeps its nominal
     number of batches (the Trainer sized the run from it, so `max_steps` is honoured): when the remaining questions
-    run out, a new pass over them begins.
+    run out, a new pass over them begins. The questions excluded in each pass of the current epoch are part of the
+    checkpoint, so a resumed run replays the epoch's order exactly.
     """
 
     def __init__(self, inner, prompts_fn, retired: set[str]):
@@ -63,25 +67,30 @@ class _SkipRetiredSampler(torch.utils.data.Sampler):
         self._prompts_fn = prompts_fn
         self._keys: list[str] | None = None
         self.retired = retired
+        self.passes: list[frozenset[str]] = []  # questions excluded by each pass of the current epoch
+        self.resume_passes: list[frozenset[str]] | None = None  # set on resume, used by the next epoch's passes
 
     def __len__(self):
         return len(self.inner)
 
     def __iter__(self):
-        if not self.retired:
-            yield from self.inner
-            return
-        if self._keys is None:
-            self._keys = [question_key(p) for p in self._prompts_fn()]
+        resume, self.resume_passes = self.resume_passes or [], None
+        self.passes = []
         nominal, produced, full = len(self.inner), 0, self.inner.num_samples
         while produced < nominal:
-            active = [i for i, key in enumerate(self._keys) if key not in self.retired]
-            if len(active) < self.inner.batch_size:
-                logger.warning(
-                    f"ExGRPO: only {len(active)} questions are not retired, fewer than one batch "
-                    f"({self.inner.batch_size}); drawing from the whole dataset again."
-                )
-                active = list(range(full))
+            excluded = resume[len(self.passes)] if len(self.passes) < len(resume) else frozenset(self.retired)
+            self.passes.append(excluded)
+            active = range(full)
+            if excluded:
+                if self._keys is None:
+                    self._keys = [question_key(p) for p in self._prompts_fn()]
+                active = [i for i, key in enumerate(self._keys) if key not in excluded]
+                if len(active) < self.inner.batch_size:
+                    logger.warning(
+                        f"ExGRPO: only {len(active)} questions are not retired, fewer than one batch "
+                        f"({self.inner.batch_size}); drawing from the whole dataset again."
+                    )
+                    active = range(full)
             self.inner.num_samples = len(active)
             try:
                 for position in self.inner:
@@ -116,6 +125,9 @@ class ExGRPOTrainer(GRPOTrainer):
     - `_calculate_rewards`: keeps the rewards it gathers across ranks (success counts come from them).
     - `_get_per_token_logps_and_entropies`: keeps the policy's log-probs of the loss pass, so the replayed-token
       term and the behaviour log-probs reuse TRL's forward pass instead of running another.
+    - `_save_checkpoint` / `_load_optimizer_and_scheduler`: the buffer and ExGRPO's switches are written into
+      each checkpoint folder (safetensors + JSON, atomically) before `super()` saves the rest and may push it, and
+      restored on every rank on resume.
     - `_compute_loss`: `super()` computes TRL's loss with the replayed rows' advantages set to 0 (their tokens then
       add nothing but still count in the normaliser); the shaped replayed-token term -f(w) * A is added with the
       same normaliser. During the first pass over a generation batch it also records the behaviour log-probs of
@@ -185,13 +197,18 @@ class ExGRPOTrainer(GRPOTrainer):
         self._exgrpo_pending: _PendingCollection | None = None
         self._exgrpo_capture = False
         self._exgrpo_captured_logps: torch.Tensor | None = None
+        self._exgrpo_sampler: _SkipRetiredSampler | None = None
 
     # ------------------------------------------------------------------------------------------ data
     def _get_train_sampler(self, dataset=None):
         sampler = super()._get_train_sampler(dataset)
         if self.args.replay_ratio > 0 and self.args.skip_retired_questions:
             dataset = self.train_dataset if dataset is None else dataset
-            return _SkipRetiredSampler(sampler, lambda: dataset["prompt"], self.experience_buffer.retired)
+            sampler = _SkipRetiredSampler(sampler, lambda: dataset["prompt"], self.experience_buffer.retired)
+            previous = getattr(self, "_exgrpo_sampler", None)
+            if previous is not None and previous.resume_passes is not None:
+                sampler.resume_passes = previous.resume_passes
+            self._exgrpo_sampler = sampler
         return sampler
 
     # ------------------------------------------------------------------------------------------ generation
@@ -427,15 +444,23 @@ class ExGRPOTrainer(GRPOTrainer):
         for bucket, count in buffer.bucket_counts().items():
             metrics[f"{METRIC_PREFIX}buffer/bucket_{bucket}"].append(float(count))
 
-    def _exgrpo_flush(self) -> None:
-        """Commit the pending batch outcome to the buffer. A collective: every rank calls it at the same point."""
-        pending, self._exgrpo_pending = self._exgrpo_pending, None
+    def _exgrpo_flush(self, keep_pending: bool = False) -> None:
+        """Commit the pending batch outcome to the buffer. A collective: every rank calls it at the same point.
+
+        With `keep_pending` (a checkpoint in the middle of a generation batch's first pass) the trajectories
+        recorded so far are committed and the rest follow when the pass ends; group updates are idempotent, so
+        applying them twice changes nothing.
+        """
+        pending = self._exgrpo_pending
         if pending is None:
             return
+        if not keep_pending:
+            self._exgrpo_pending = None
         trajectories = [
             (pending.row_keys[local][0], pending.row_keys[local][1], ids, logps)
             for local, (ids, logps) in pending.trajectories.items()
         ]
+        pending.trajectories = {}
         gathered = gather_object([(pending.groups, trajectories)])
         groups = sorted(g for rank_groups, _ in gathered for g in rank_groups)
         by_key: dict[str, list[Trajectory]] = {}
@@ -447,6 +472,35 @@ class ExGRPOTrainer(GRPOTrainer):
                 self.experience_buffer.update_group(key, k, row, by_key.pop(key, ()))
             elif k == self.num_generations:  # other ranks keep only the retired set (for the sampler)
                 self.experience_buffer.retire(key)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def _exgrpo_trainer_state(self) -> dict[str, Any]:
+        passes = self._exgrpo_sampler.passes if self._exgrpo_sampler is not None else []
+        return {**self.exgrpo_state, "sampler_passes": [sorted(p) for p in passes]}
+
+    def _save_checkpoint(self, model, trial):
+        # Written into the checkpoint folder BEFORE super() saves the rest and may start the Hub upload of it.
+        self._exgrpo_flush(keep_pending=True)
+        if self.args.should_save:
+            checkpoint = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            save_state(checkpoint, self.experience_buffer, self._exgrpo_trainer_state())
+        super()._save_checkpoint(model, trial)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)  # under DeepSpeed it returns early; we still run
+        if checkpoint is None:
+            return
+        if not has_state(checkpoint):
+            logger.warning(
+                f"ExGRPO: {checkpoint} holds no ExGRPO state (a plain GRPO checkpoint?): training resumes with an "
+                "empty experience buffer and the delayed-start switch from the config."
+            )
+            return
+        # Only the main process holds trajectories; the others need the retired set (for the sampler).
+        saved = load_state(checkpoint, self.experience_buffer, with_trajectories=self.accelerator.is_main_process)
+        self.exgrpo_state.update({k: v for k, v in saved.items() if k != "sampler_passes"})
+        if self._exgrpo_sampler is not None:
+            self._exgrpo_sampler.resume_passes = [frozenset(p) for p in saved.get("sampler_passes", [])]
 
     # ------------------------------------------------------------------------------------------ loss
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):

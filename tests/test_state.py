@@ -1,0 +1,151 @@
+"""The buffer is training state: save/load round trip, clear errors for bad files, bitwise resume."""
+
+import json
+import logging
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
+from exgrpo_trl.buffer import ExperienceBuffer, Trajectory
+from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, StateFileError, load_state, save_state
+
+from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
+
+
+def sample_buffer(seed=0):
+    rng = np.random.default_rng(seed)
+    buffer = ExperienceBuffer(8, seed=seed)
+    for q in range(12):
+        trajs = []
+        for _ in range(int(rng.integers(1, 4))):
+            n = int(rng.integers(1, 9))
+            trajs.append(Trajectory(rng.integers(0, 50, size=n), -rng.random(n), step=q))
+        buffer.update_group(f"q{q}", int(rng.integers(1, 8)), {"prompt": f"{q}+1=", "answer": str(q + 1), "n": q}, trajs)
+    buffer.retire("q3")
+    buffer.retire("never-stored")
+    buffer.sample_questions(4)  # advance the generator: its state must survive too
+    return buffer
+
+
+def state_of(buffer):
+    arrays, meta = buffer.state_dict()
+    return {k: v.tolist() for k, v in arrays.items()}, json.loads(json.dumps(meta))
+
+
+def test_round_trip(tmp_path):
+    buffer = sample_buffer()
+    path = save_state(tmp_path, buffer, {"replay_active": True, "generation_batches": 7, "sampler_passes": [["a"]]})
+    assert sorted(p.name for p in path.iterdir()) == [ARRAYS_FILENAME, META_FILENAME]
+    assert not list(tmp_path.glob(".*tmp*"))  # the temporary folder was renamed into place
+    restored = ExperienceBuffer(8, seed=99)
+    trainer_state = load_state(tmp_path, restored)
+    assert trainer_state == {"replay_active": True, "generation_batches": 7, "sampler_passes": [["a"]]}
+    assert state_of(restored) == state_of(buffer)
+    assert restored.bucket_counts() == buffer.bucket_counts() and restored.retired == buffer.retired
+    assert restored.sample_questions(5) == buffer.sample_questions(5)  # same generator state
+    other_rank = ExperienceBuffer(8)
+    load_state(tmp_path, other_rank, with_trajectories=False)
+    assert other_rank.retired == buffer.retired and other_rank.num_questions == 0
+    # a stored token costs 6 bytes on disk too (plus the file header and per-trajectory length and step)
+    tokens = buffer.num_tokens
+    assert (path / ARRAYS_FILENAME).stat().st_size < 6 * tokens + 16 * buffer.num_trajectories + 1024
+
+
+def test_no_pickle(tmp_path):
+    save_state(tmp_path, sample_buffer(), {})
+    for f in (tmp_path / STATE_DIRNAME).iterdir():
+        assert b"\x80\x04\x95" not in f.read_bytes() and b"\x80\x05\x95" not in f.read_bytes()  # pickle protocol 4/5
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: (d / ARRAYS_FILENAME).unlink(), "buffer file is missing: .*buffer.safetensors"),
+        (lambda d: (d / META_FILENAME).unlink(), "state file is missing: .*state.json"),
+        (lambda d: (d / ARRAYS_FILENAME).write_bytes((d / ARRAYS_FILENAME).read_bytes()[:-10]),
+         "truncated or corrupted: .*buffer.safetensors"),
+        (lambda d: (d / META_FILENAME).write_text((d / META_FILENAME).read_text()[:-5]),
+         "truncated or corrupted: .*state.json"),
+        (lambda d: _flip_last_byte(d / ARRAYS_FILENAME), "corrupted \\(checksum of '.*'.*buffer.safetensors"),
+        (lambda d: _edit_meta(d, format_version=99), "format version 99.*reads version 1"),
+        (lambda d: _edit_meta(d, format="something-else"), "is not an ExGRPO state file"),
+    ],
+    ids=["no-arrays", "no-meta", "truncated-arrays", "truncated-meta", "bit-flip", "version", "format"],
+)
+def test_bad_files_raise_naming_the_file(tmp_path, damage, message):
+    save_state(tmp_path, sample_buffer(), {})
+    damage(tmp_path / STATE_DIRNAME)
+    buffer = ExperienceBuffer(8)
+    with pytest.raises(StateFileError, match=message):
+        load_state(tmp_path, buffer)
+    assert buffer.num_questions == 0
+
+
+def _flip_last_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _edit_meta(directory, **changes):
+    meta = json.loads((directory / META_FILENAME).read_text())
+    meta.update(changes)
+    (directory / META_FILENAME).write_text(json.dumps(meta))
+
+
+def test_unserialisable_row_is_a_clear_error(tmp_path):
+    buffer = ExperienceBuffer(8)
+    buffer.update_group("q", 2, {"prompt": "x", "when": object()}, [Trajectory(np.arange(3), np.zeros(3), 0)])
+    with pytest.raises(TypeError, match="holds a value of type object, which cannot be saved as JSON"):
+        save_state(tmp_path, buffer, {})
+    assert not (tmp_path / STATE_DIRNAME).exists()
+
+
+def _trainer(out, tokenizer, max_steps, **overrides):
+    kwargs = config_kwargs(out, max_steps=max_steps, save_strategy="steps", replay_start_pass_rate=0.0, **overrides)
+    return ExGRPOTrainer(model=make_model(tokenizer), reward_funcs=make_reward(tokenizer),
+                         args=ExGRPOConfig(**kwargs), train_dataset=synthetic_dataset(n=16, always_every=4),
+                         processing_class=tokenizer)
+
+
+def test_resume_is_bitwise(tmp_path, tokenizer):
+    """2N steps straight, and N steps + resume from that checkpoint + N more, end identical: parameters bitwise,
+    buffers (arrays, rows, buckets, retired, generator) equal. N = 3 crosses an epoch (4 batches of 4 questions)."""
+    straight = _trainer(tmp_path / "a", tokenizer, max_steps=6, save_steps=3)
+    straight.train()
+    resumed_dir = tmp_path / "b"
+    shutil.copytree(tmp_path / "a" / "out" / "checkpoint-3", resumed_dir / "out" / "checkpoint-3")
+    resumed = _trainer(resumed_dir, tokenizer, max_steps=6, save_steps=3)
+    resumed.train(resume_from_checkpoint=str(resumed_dir / "out" / "checkpoint-3"))
+
+    assert straight.experience_buffer.num_trajectories > 0 and straight.experience_buffer.retired
+    assert state_of(resumed.experience_buffer) == state_of(straight.experience_buffer)
+    assert resumed.exgrpo_state == straight.exgrpo_state
+    for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(p, q), name
+    # the state in the final checkpoints agrees as well
+    # (safetensors writes its header's metadata in hash order, so compare the arrays, byte for byte)
+    from safetensors.numpy import load_file
+
+    a_dir, b_dir = tmp_path / "a/out/checkpoint-6" / STATE_DIRNAME, resumed_dir / "out/checkpoint-6" / STATE_DIRNAME
+    a, b = load_file(str(a_dir / ARRAYS_FILENAME)), load_file(str(b_dir / ARRAYS_FILENAME))
+    assert a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
+    assert (a_dir / META_FILENAME).read_bytes() == (b_dir / META_FILENAME).read_bytes()
+
+
+def test_resume_from_plain_grpo_checkpoint_warns_once(tmp_path, tokenizer, caplog):
+    from trl import GRPOConfig, GRPOTrainer
+
+    kwargs = config_kwargs(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    GRPOTrainer(model=make_model(tokenizer), reward_funcs=make_reward(tokenizer), args=GRPOConfig(**kwargs),
+                train_dataset=synthetic_dataset(), processing_class=tokenizer).train()
+    trainer = ExGRPOTrainer(model=make_model(tokenizer), reward_funcs=make_reward(tokenizer),
+                            args=ExGRPOConfig(**{**kwargs, "max_steps": 3}), train_dataset=synthetic_dataset(),
+                            processing_class=tokenizer)
+    with caplog.at_level(logging.WARNING):
+        trainer._load_optimizer_and_scheduler(str(tmp_path / "out" / "checkpoint-2"))
+    warnings = [r for r in caplog.records if "holds no ExGRPO state" in r.getMessage()]
+    assert len(warnings) == 1 and trainer.experience_buffer.num_questions == 0
