@@ -146,6 +146,7 @@ def test_resume_from_plain_grpo_checkpoint_warns_once(tmp_path, tokenizer, caplo
                             args=ExGRPOConfig(**{**kwargs, "max_steps": 3}), train_dataset=synthetic_dataset(),
                             processing_class=tokenizer)
     with caplog.at_level(logging.WARNING):
-        trainer._load_optimizer_and_scheduler(str(tmp_path / "out" / "checkpoint-2"))
+        trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     warnings = [r for r in caplog.records if "holds no ExGRPO state" in r.getMessage()]
-    assert len(warnings) == 1 and trainer.experience_buffer.num_questions == 0
+    assert len(warnings) == 1 and trainer.state.global_step == 3
+    assert not trainer.exgrpo_state["replay_active"] or trainer.experience_buffer.num_questions <= 4
