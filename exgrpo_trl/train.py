@@ -1,0 +1,267 @@
+"""`exgrpo train`: train with ExGRPO from a YAML recipe.
+
+    exgrpo train --config recipes/qwen7b.yaml
+    accelerate launch --config_file recipes/accelerate/zero3.yaml -m exgrpo_trl.train --config recipes/qwen7b.yaml
+
+The recipe is parsed by TRL's `TrlParser` over (`ScriptArguments`, `ExGRPOConfig`, `ModelConfig`): every key of
+the YAML must be a field of one of the three (an unknown key is an error), and command-line flags override the
+YAML (``--learning_rate 2e-6``). Training resumes from the last ``checkpoint-*`` in ``output_dir`` when there is
+one; PEFT/LoRA and quantization come from `ModelConfig` (``use_peft: true``, ``lora_r``, ...). At the end the model
+and a model card are saved to ``output_dir`` and pushed to the Hub when ``push_to_hub`` is set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+import transformers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers.trainer_utils import get_last_checkpoint
+from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
+from trl import ScriptArguments as TrlScriptArguments
+
+from .config import ExGRPOConfig
+from .data import filter_long_prompts, load_math_dataset
+from .rewards import REWARD_FUNCS, get_reward_funcs
+
+logger = logging.getLogger(__name__)
+
+MODEL_CARD_TAGS = ["exgrpo", "grpo", "experience-replay"]
+
+
+@dataclass
+class ScriptArguments(TrlScriptArguments):
+    """What the training script needs besides the trainer config and the model config.
+
+    Inherits from TRL's `ScriptArguments`: ``dataset_name`` (Hub id, local file or folder), ``dataset_config``,
+    ``dataset_train_split``, ``dataset_test_split``.
+    """
+
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["math_verify"],
+        metadata={
+            "help": f"Reward functions by name ({', '.join(sorted(REWARD_FUNCS))}) or 'module:function' path. "
+            "Weights: the config's reward_weights."
+        },
+    )
+    question_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "Column of questions, turned into the paper's prompt (system + user). Default: a 'prompt' column "
+            "is used as is (OpenR1-Math-46k, the toy task), else 'question' or 'problem'."
+        },
+    )
+    answer_column: str | None = field(
+        default=None,
+        metadata={"help": "Column of reference answers. Default: 'answer', else reward_model.ground_truth (verl)."},
+    )
+    system_prompt: str | None = field(
+        default=None,
+        metadata={
+            "help": "System prompt for prompts built from a question column (default: LUFFY's, as in the paper; "
+            "'' for none). Given explicitly, it also replaces the system message of a dataset's own prompts."
+        },
+    )
+    keep_columns: list[str] = field(
+        default_factory=list,
+        metadata={"help": "Dataset columns kept beside prompt/answer (reward functions receive them as kwargs)."},
+    )
+    eval_dataset_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Evaluation data (Hub id, file or folder; its dataset_test_split). Default: dataset_name's "
+            "dataset_test_split. Used only when eval_strategy is not 'no'."
+        },
+    )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Drop training prompts longer than this many tokens (chat template included). TRL 1.16 does "
+            "not truncate prompts; the paper's recipe caps them at 1024."
+        },
+    )
+    tokenizer_name_or_path: str | None = field(
+        default=None, metadata={"help": "Tokenizer to load instead of the model's own."}
+    )
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for dataset preprocessing."})
+
+
+def build_parser() -> TrlParser:
+    return TrlParser((ScriptArguments, ExGRPOConfig, ModelConfig))
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, ExGRPOConfig, ModelConfig]:
+    """Parse ``--config RECIPE.yaml`` plus command-line overrides (`sys.argv[1:]` when `argv` is None)."""
+    script_args, training_args, model_args = build_parser().parse_args_and_config(args=argv)
+    return script_args, training_args, model_args
+
+
+def load_tokenizer(name_or_path: str, *, revision: str = "main", trust_remote_code: bool = False):
+    """The tokenizer saved with a model, as the class it was saved as.
+
+    `AutoTokenizer` maps a folder by its model type: on a folder whose config says ``qwen2`` it returns Qwen's
+    byte-level tokenizer even when the folder holds a different (e.g. character-level) tokenizer saved as
+    `PreTrainedTokenizerFast`. For a local folder we therefore honour ``tokenizer_class`` from
+    ``tokenizer_config.json`` when transformers has that class; Hub ids and everything else go through
+    `AutoTokenizer`. Left padding (generation), left truncation.
+    """
+    tokenizer = None
+    config_file = Path(name_or_path) / "tokenizer_config.json"
+    if config_file.is_file():
+        class_name = json.loads(config_file.read_text()).get("tokenizer_class")
+        tokenizer_class = getattr(transformers, class_name, None) if isinstance(class_name, str) else None
+        if isinstance(tokenizer_class, type) and issubclass(tokenizer_class, PreTrainedTokenizerBase):
+            tokenizer = tokenizer_class.from_pretrained(name_or_path)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    tokenizer.padding_side = "left"
+    tokenizer.truncation_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def resolve_checkpoint(training_args: ExGRPOConfig) -> str | None:
+    """The checkpoint to resume from: ``resume_from_checkpoint`` when set, else the last ``checkpoint-*`` in
+    ``output_dir`` (None for a fresh run)."""
+    if training_args.resume_from_checkpoint:
+        return training_args.resume_from_checkpoint
+    if os.path.isdir(training_args.output_dir):
+        return get_last_checkpoint(training_args.output_dir)
+    return None
+
+
+def model_init_kwargs(model_args: ModelConfig, training_args: ExGRPOConfig) -> dict:
+    """``from_pretrained`` kwargs for the policy, from `ModelConfig`; explicit ``model_init_kwargs`` win."""
+    kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+        # The KV cache is useless with gradient checkpointing and transformers warns about it.
+        "use_cache": not training_args.gradient_checkpointing,
+    }
+    if model_args.load_in_4bit or model_args.load_in_8bit:
+        from accelerate import PartialState
+
+        kwargs["device_map"] = {"": PartialState().local_process_index}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    kwargs.update(training_args.model_init_kwargs or {})
+    return kwargs
+
+
+def _setup_logging(training_args: ExGRPOConfig) -> None:
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        handlers=[logging.StreamHandler(sys.stdout)],
+    )
+    level = training_args.get_process_log_level()
+    logger.setLevel(level)
+    logging.getLogger("exgrpo_trl").setLevel(level)
+    datasets.utils.logging.set_verbosity(level)
+    transformers.utils.logging.set_verbosity(level)
+    transformers.utils.logging.enable_default_handler()
+    transformers.utils.logging.enable_explicit_format()
+
+
+def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args: ModelConfig) -> int:
+    from .trainer import ExGRPOTrainer  # imported here: parsing recipes does not need the trainer
+
+    if not model_args.model_name_or_path:
+        raise ValueError("model_name_or_path is required (in the recipe or as --model_name_or_path).")
+    if not script_args.dataset_name:
+        raise ValueError("dataset_name is required (in the recipe or as --dataset_name).")
+    if script_args.dataset_streaming:
+        raise ValueError(
+            "dataset_streaming is not supported: ExGRPO re-reads questions by index (replay, retirement)."
+        )
+    _setup_logging(training_args)
+    transformers.set_seed(training_args.seed)
+
+    checkpoint = resolve_checkpoint(training_args)
+    if checkpoint is not None:  # a warning: silently continuing an old run is a surprise worth a line
+        logger.warning("Resuming from checkpoint %s (give another output_dir for a fresh run)", checkpoint)
+
+    tokenizer = load_tokenizer(
+        script_args.tokenizer_name_or_path or model_args.model_name_or_path,
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+    )
+
+    data_kwargs = dict(
+        config=script_args.dataset_config,
+        question_column=script_args.question_column,
+        answer_column=script_args.answer_column,
+        system_prompt=script_args.system_prompt,
+        keep_columns=script_args.keep_columns,
+        num_proc=script_args.dataset_num_proc,
+    )
+    # Rank 0 prepares (and caches) the data first; the other ranks then read the cache.
+    with training_args.main_process_first(desc="dataset preparation"):
+        train_dataset = load_math_dataset(
+            script_args.dataset_name, split=script_args.dataset_train_split, **data_kwargs
+        )
+        if script_args.max_prompt_length is not None:
+            train_dataset = filter_long_prompts(
+                train_dataset, tokenizer, script_args.max_prompt_length, num_proc=script_args.dataset_num_proc
+            )
+        eval_dataset = None
+        if training_args.eval_strategy != "no":
+            eval_dataset = load_math_dataset(
+                script_args.eval_dataset_name or script_args.dataset_name,
+                split=script_args.dataset_test_split,
+                **data_kwargs,
+            )
+
+    training_args.model_init_kwargs = model_init_kwargs(model_args, training_args)
+    trainer = ExGRPOTrainer(
+        model=model_args.model_name_or_path,
+        reward_funcs=get_reward_funcs(script_args.reward_funcs),
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+        quantization_config=get_quantization_config(model_args),
+    )
+
+    train_result = trainer.train(resume_from_checkpoint=checkpoint)
+    metrics = train_result.metrics
+    metrics["train_samples"] = len(train_dataset)
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    trainer.save_state()
+
+    trainer.save_model(training_args.output_dir)
+    logger.info("Model saved to %s", training_args.output_dir)
+    card_kwargs = {
+        "model_name": (training_args.hub_model_id or Path(training_args.output_dir).name).split("/")[-1],
+        "dataset_name": script_args.dataset_name,
+        "tags": MODEL_CARD_TAGS,
+    }
+    if trainer.accelerator.is_main_process:
+        trainer.create_model_card(**card_kwargs)
+        # Training ran with use_cache off (gradient checkpointing); generation wants it on.
+        trainer.model.config.use_cache = True
+        trainer.model.config.save_pretrained(training_args.output_dir)
+
+    if training_args.push_to_hub:
+        logger.info("Pushing to the Hub")
+        trainer.push_to_hub(**card_kwargs)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``exgrpo train ARGS`` and ``python -m exgrpo_trl.train ARGS``."""
+    return train(*parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""Every recipe parses with TrlParser, opens with its launch commands, and the 7B recipe carries SPEC §9's values."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from exgrpo_trl.config import ExGRPOConfig
+from exgrpo_trl.train import ScriptArguments, parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+ACCELERATE = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
+GPU_RECIPES = [p for p in RECIPES if p.name != "tiny_cpu.yaml"]
+
+# SPEC §9: 128 questions x K = 8 rollouts per step, 2 optimizer updates per step (mini-batch of 64 questions),
+# 700 steps.
+QUESTIONS_PER_STEP, K, UPDATES_PER_STEP, PAPER_STEPS = 128, 8, 2, 700
+ROWS_PER_GENERATION = QUESTIONS_PER_STEP * K  # 1024
+ROWS_PER_UPDATE = ROWS_PER_GENERATION // UPDATES_PER_STEP  # 512
+
+
+@pytest.fixture(autouse=True)
+def _bf16_allowed(monkeypatch):
+    # The GPU recipes say bf16: true, which TrainingArguments rejects on a machine without a bf16 GPU. Pretend there
+    # is one, so that the recipes are parsed exactly as written (use_cpu stays false).
+    monkeypatch.setattr("transformers.training_args.is_torch_bf16_gpu_available", lambda: True)
+
+
+def header(path: Path) -> list[str]:
+    lines = []
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    return lines
+
+
+def launch_lines(path: Path, marker: str) -> list[str]:
+    return [line for line in header(path) if marker in line]
+
+
+def parse(path: Path, *extra: str):
+    return parse_args(["--config", str(path), *extra])
+
+
+def tokens_of(line: str) -> list[str]:
+    """The words of a launch line, without its leading "[node A]" label."""
+    return shlex.split(re.sub(r"^\[[^\]]*\]\s*", "", line))
+
+
+def after_config(line: str, recipe: str) -> list[str]:
+    """Command-line overrides that follow `--config recipes/<recipe>` in a launch line."""
+    tokens = tokens_of(line)
+    i = tokens.index("--config")
+    assert tokens[i + 1] == f"recipes/{recipe}"
+    return tokens[i + 2 :]
+
+
+def flag(tokens: list[str], name: str) -> str | None:
+    return tokens[tokens.index(name) + 1] if name in tokens else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+def test_recipe_set():
+    assert {p.name for p in RECIPES} == {
+        "qwen7b.yaml",
+        "qwen7b_colocate.yaml",
+        "qwen7b_on_policy.yaml",
+        "qwen1.5b.yaml",
+        "llama8b_base.yaml",
+        "qwen7b_instruct.yaml",
+        "tiny_cpu.yaml",
+    }
+    assert {p.name for p in ACCELERATE} == {"zero3.yaml", "ddp.yaml", "zero3_multinode.yaml"}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_parses_and_opens_with_its_launch_command(path):
+    script_args, training_args, model_args = parse(path)
+    assert isinstance(script_args, ScriptArguments) and isinstance(training_args, ExGRPOConfig)
+    assert model_args.model_name_or_path and script_args.dataset_name and training_args.output_dir
+    assert training_args.num_generations == K
+    assert isinstance(training_args.learning_rate, float)  # YAML "1e-6" would be a string: recipes write 1.0e-6
+    commands = launch_lines(path, "accelerate launch") + launch_lines(path, "exgrpo train")
+    assert commands, f"{path.name} must open with its launch command"
+    assert all(f"--config recipes/{path.name}" in c for c in commands)
+    # every override used in a launch line is a valid flag
+    for line in launch_lines(path, "accelerate launch"):
+        overrides = after_config(line, path.name)
+        parse(path, *overrides)
+        config_file = flag(tokens_of(line), "--config_file")
+        assert (ROOT / config_file).is_file()
+
+
+def test_unknown_key_fails(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((ROOT / "recipes" / "tiny_cpu.yaml").read_text() + "\nreplay_ration: 0.5\n")
+    with pytest.raises(ValueError, match="replay_ration"):
+        parse(bad)
+
+
+def test_command_line_overrides_the_recipe():
+    recipe = ROOT / "recipes" / "tiny_cpu.yaml"
+    _, base, _ = parse(recipe)
+    assert (base.learning_rate, base.replay_ratio, base.max_steps) == (1e-4, 0.5, 300)
+    script_args, args, model_args = parse(
+        recipe, "--learning_rate", "3e-4", "--replay_ratio", "0.25", "--max_steps", "7", "--model_name_or_path", "m"
+    )
+    assert (args.learning_rate, args.replay_ratio, args.max_steps) == (3e-4, 0.25, 7)
+    assert model_args.model_name_or_path == "m"
+    assert script_args.reward_funcs == ["toy_addition"] and script_args.keep_columns == ["digits"]
+
+
+@pytest.mark.parametrize("path", GPU_RECIPES, ids=lambda p: p.name)
+def test_batch_arithmetic_of_every_launch_layout(path):
+    """per-device batch x training processes x gradient accumulation = 512 rows per optimizer step, 1024 rows per
+    generation batch = 2 optimizer steps, 1400 optimizer steps = 700 paper steps: in every layout a recipe lists."""
+    lines = launch_lines(path, "accelerate launch") + launch_lines(path, "exgrpo train")
+    assert lines
+    for line in lines:
+        overrides = after_config(line, path.name)
+        tokens = tokens_of(line)
+        processes = int(flag(tokens, "--num_processes") or 1)  # `exgrpo train` runs one process
+        _, args, _ = parse(path, *overrides)
+        global_micro_batch = args.per_device_train_batch_size * processes
+        assert global_micro_batch * args.gradient_accumulation_steps == ROWS_PER_UPDATE, line
+        assert args.generation_batch_size == ROWS_PER_GENERATION
+        micro_batches_per_generation = args.generation_batch_size // global_micro_batch  # TRL's steps_per_generation
+        assert args.generation_batch_size % global_micro_batch == 0
+        assert micro_batches_per_generation == UPDATES_PER_STEP * args.gradient_accumulation_steps, line
+        assert args.max_steps == PAPER_STEPS * UPDATES_PER_STEP == 1400
+        assert args.generation_batch_size // args.num_generations == QUESTIONS_PER_STEP
+
+
+@pytest.mark.parametrize("path", GPU_RECIPES, ids=lambda p: p.name)
+def test_vllm_layout_matches_the_recipe(path):
+    script_args, args, model_args = parse(path)
+    serve = launch_lines(path, "trl vllm-serve")
+    assert args.use_vllm
+    if args.vllm_mode == "server":
+        assert serve, f"{path.name}: server mode needs its `trl vllm-serve` command"
+        for line in serve:
+            tokens = tokens_of(line)
+            assert flag(tokens, "--model") == model_args.model_name_or_path
+            # the server must hold a prompt plus a full completion
+            assert int(flag(tokens, "--max-model-len")) >= script_args.max_prompt_length + args.max_completion_length
+        # the single-node layout splits the 8 GPUs between vLLM and training, one process per training GPU
+        (serve_line,) = [line for line in serve if "CUDA_VISIBLE_DEVICES" in line]
+        (train_line,) = [line for line in launch_lines(path, "accelerate launch") if "CUDA_VISIBLE_DEVICES" in line]
+        serve_gpus, train_gpus = (
+            set(re.search(r"CUDA_VISIBLE_DEVICES=([\d,]+)", line).group(1).split(",")) for line in (serve_line, train_line)
+        )
+        assert not serve_gpus & train_gpus and len(serve_gpus | train_gpus) == 8
+        assert int(flag(tokens_of(serve_line), "--data-parallel-size")) == len(serve_gpus)
+        assert int(flag(tokens_of(train_line), "--num_processes")) == len(train_gpus)
+    else:
+        assert args.vllm_mode == "colocate" and not serve
+        assert args.vllm_max_model_length >= script_args.max_prompt_length + args.max_completion_length
+        processes = [int(flag(tokens_of(line), "--num_processes")) for line in launch_lines(path, "accelerate launch")]
+        assert processes == [8]  # the paper's 8 GPUs, all training
+
+
+def test_qwen7b_recipe_matches_spec():
+    script_args, args, model_args = parse(ROOT / "recipes" / "qwen7b.yaml")
+    # data and reward
+    assert script_args.dataset_name == "Elliott/Openr1-Math-46k-8192"
+    assert script_args.dataset_train_split == "train"
+    assert script_args.reward_funcs == ["math_verify"]
+    assert script_args.max_prompt_length == 1024
+    assert model_args.model_name_or_path == "Elliott/Qwen2.5-Math-7B-16k-think"
+    assert model_args.dtype == "bfloat16"
+    # ExGRPO
+    assert args.replay_ratio == 0.5
+    assert args.policy_shaping_gamma == 0.1
+    assert args.replay_start_pass_rate == 0.35
+    assert (args.replay_mu, args.replay_sigma) == (0.5, 1.0)
+    assert (args.question_selection, args.trajectory_selection) == ("gaussian", "lowest_entropy")
+    assert args.replay_importance_correction is True
+    assert args.success_reward_threshold == 1.0 and args.skip_retired_questions is True
+    # batch and length
+    assert (args.num_generations, args.generation_batch_size) == (8, 1024)
+    assert (args.max_steps, args.num_iterations) == (1400, 1)
+    # objective
+    assert (args.loss_type, args.scale_rewards, args.beta, args.entropy_coef) == ("dr_grpo", "none", 0.0, 0.001)
+    # sampling
+    assert (args.max_completion_length, args.temperature, args.top_p) == (8192, 1.0, 1.0)
+    # optimiser
+    assert args.learning_rate == 1e-6
+    assert args.lr_scheduler_type == "constant" and args.warmup_steps == 0
+    assert (args.optim, args.weight_decay, args.max_grad_norm) == ("adamw_torch", 0.01, 1.0)
+    # precision, memory, generation
+    assert args.bf16 is True and args.use_cpu is False
+    assert args.gradient_checkpointing is True
+    assert (args.use_vllm, args.vllm_mode) == (True, "server")
+    # the primary layout: 4 training + 4 vLLM GPUs on one 8-GPU node
+    first = launch_lines(ROOT / "recipes" / "qwen7b.yaml", "accelerate launch")[0]
+    assert "CUDA_VISIBLE_DEVICES=0,1,2,3" in first and "--num_processes 4" in first
+    assert args.per_device_train_batch_size * 4 * args.gradient_accumulation_steps == 512
+
+
+def _as_dict(path):
+    script_args, args, model_args = parse(path)
+    values = {**vars(script_args), **args.to_dict(), **vars(model_args)}
+    # bookkeeping, and steps_per_generation (derived from the batch values, checked in the arithmetic test)
+    for key in ("output_dir", "logging_dir", "hub_model_id", "run_name", "steps_per_generation"):
+        values.pop(key, None)
+    return values
+
+
+def _diff(a, b):
+    return {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
+
+
+@pytest.mark.parametrize(
+    "name,expected",
+    [
+        ("qwen7b_on_policy.yaml", {"replay_ratio"}),
+        # (vllm_server_host: the server-mode address, unused when colocated)
+        ("qwen7b_colocate.yaml", {"vllm_mode", "vllm_gpu_memory_utilization", "vllm_max_model_length",
+                                  "vllm_server_host", "gradient_accumulation_steps"}),
+        ("llama8b_base.yaml", {"model_name_or_path", "replay_start_pass_rate"}),
+        ("qwen7b_instruct.yaml", {"model_name_or_path"}),
+        ("qwen1.5b.yaml", {"model_name_or_path", "max_completion_length", "per_device_train_batch_size",
+                           "gradient_accumulation_steps"}),
+    ],
+)
+def test_variants_differ_from_the_7b_recipe_only_where_intended(name, expected):
+    base = _as_dict(ROOT / "recipes" / "qwen7b.yaml")
+    variant = _as_dict(ROOT / "recipes" / name)
+    assert _diff(base, variant) == expected
+    if name == "qwen7b_on_policy.yaml":
+        assert variant["replay_ratio"] == 0.0
+    if name == "llama8b_base.yaml":
+        assert variant["replay_start_pass_rate"] == 0.0  # no delayed start, as in the paper
+    if name == "qwen7b_colocate.yaml":
+        assert variant["vllm_mode"] == "colocate"
+
+
+def test_tiny_cpu_recipe_settings():
+    script_args, args, model_args = parse(ROOT / "recipes" / "tiny_cpu.yaml")
+    assert (args.use_cpu, args.bf16, args.gradient_checkpointing) == (True, False, False)
+    assert args.learning_rate == 1e-4 and args.max_completion_length == 8
+    assert args.report_to == []  # "none"
+    assert script_args.reward_funcs == ["toy_addition"]
+    assert model_args.dtype == "float32"
+    assert "python -m exgrpo_trl.toy --out outputs/tiny-toy" in " ".join(header(ROOT / "recipes" / "tiny_cpu.yaml"))
+    assert model_args.model_name_or_path == "outputs/tiny-toy"
+    assert script_args.dataset_name == "outputs/tiny-toy/train.jsonl"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# accelerate configs
+# ---------------------------------------------------------------------------------------------------------------
+def test_accelerate_configs_load_and_say_what_they_are():
+    from accelerate.commands.config.config_args import load_config_from_file  # rejects unknown keys
+
+    zero3 = load_config_from_file(str(ROOT / "recipes/accelerate/zero3.yaml"))
+    assert zero3.distributed_type == "DEEPSPEED" and zero3.deepspeed_config["zero_stage"] == 3
+    assert zero3.mixed_precision == "bf16" and zero3.num_machines == 1
+    ddp = load_config_from_file(str(ROOT / "recipes/accelerate/ddp.yaml"))
+    assert ddp.distributed_type == "MULTI_GPU" and ddp.mixed_precision == "bf16"
+    multi = load_config_from_file(str(ROOT / "recipes/accelerate/zero3_multinode.yaml"))
+    assert multi.distributed_type == "DEEPSPEED" and multi.deepspeed_config["zero_stage"] == 3
+    assert (multi.num_machines, multi.num_processes) == (2, 16)
+    for path in ACCELERATE:
+        assert launch_lines(path, "accelerate launch"), f"{path.name} must open with an example launch command"
+
+
+def test_readme_lists_every_recipe():
+    readme = (ROOT / "recipes" / "README.md").read_text()
+    for path in RECIPES + ACCELERATE:
+        assert path.name in readme, path.name

@@ -1,0 +1,165 @@
+"""`exgrpo train`: argument handling, tokenizer loading, checkpoint resolution, and a few real training steps of
+recipes/tiny_cpu.yaml through the command line (then resumed from its last checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from exgrpo_trl.train import load_tokenizer, model_init_kwargs, parse_args, resolve_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "recipes" / "tiny_cpu.yaml"
+
+
+@pytest.fixture(scope="module")
+def toy_dir(tmp_path_factory):
+    """A tiny model + char tokenizer and the toy task, written the way `python -m exgrpo_trl.toy --out` does."""
+    from exgrpo_trl.toy import addition_splits, build_tiny_model_dir
+
+    out = tmp_path_factory.mktemp("toy")
+    build_tiny_model_dir(out)
+    train, eval_ = addition_splits(64, 8, seed=0)
+    train.to_json(str(out / "train.jsonl"))
+    eval_.to_json(str(out / "eval.jsonl"))
+    return out
+
+
+def test_load_tokenizer_honours_the_saved_class(toy_dir):
+    tok = load_tokenizer(str(toy_dir))
+    assert type(tok) is PreTrainedTokenizerFast
+    assert len(tok) == 16  # 4 specials + "0123456789+="
+    ids = tok("37+48=", add_special_tokens=False)["input_ids"]
+    assert ids == [4 + "0123456789+=".index(c) for c in "37+48="]
+    assert tok.decode(ids) == "37+48="
+    assert tok.padding_side == "left" and tok.pad_token == "<pad>"
+    # what the pitfall looks like: AutoTokenizer maps the qwen2 config to another tokenizer class
+    assert type(AutoTokenizer.from_pretrained(str(toy_dir))) is not PreTrainedTokenizerFast
+
+
+def test_resolve_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    _, args, _ = parse_args(["--config", str(TINY), "--output_dir", str(out)])
+    assert resolve_checkpoint(args) is None  # no output_dir yet
+    for step in (5, 12, 9):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+    assert resolve_checkpoint(args) == str(out / "checkpoint-12")  # the last by step, not by name
+    _, args, _ = parse_args(["--config", str(TINY), "--output_dir", str(out), "--resume_from_checkpoint", "elsewhere"])
+    assert resolve_checkpoint(args) == "elsewhere"
+
+
+def test_model_init_kwargs_from_model_config():
+    _, args, model_args = parse_args(["--config", str(TINY)])
+    assert model_init_kwargs(model_args, args) == {
+        "revision": "main",
+        "trust_remote_code": False,
+        "dtype": "float32",
+        "use_cache": True,
+    }
+    _, args, model_args = parse_args(
+        ["--config", str(TINY), "--gradient_checkpointing", "true", "--attn_implementation", "eager",
+         "--model_init_kwargs", '{"use_cache": true, "low_cpu_mem_usage": true}']
+    )
+    assert model_init_kwargs(model_args, args) == {
+        "revision": "main",
+        "trust_remote_code": False,
+        "attn_implementation": "eager",
+        "dtype": "float32",
+        "use_cache": True,  # explicit model_init_kwargs win over the gradient-checkpointing default (False)
+        "low_cpu_mem_usage": True,
+    }
+
+
+def test_peft_comes_from_model_config():
+    from trl import get_peft_config
+
+    _, _, model_args = parse_args(["--config", str(TINY), "--use_peft", "true", "--lora_r", "4"])
+    peft_config = get_peft_config(model_args)
+    assert peft_config.r == 4 and peft_config.lora_alpha == 32
+
+
+def test_missing_model_or_dataset_is_reported():
+    from exgrpo_trl import train as train_module
+
+    script_args, args, model_args = parse_args(["--config", str(TINY)])
+    model_args.model_name_or_path = None
+    with pytest.raises(ValueError, match="model_name_or_path is required"):
+        train_module.train(script_args, args, model_args)
+    script_args, args, model_args = parse_args(["--config", str(TINY)])
+    script_args.dataset_name = None
+    with pytest.raises(ValueError, match="dataset_name is required"):
+        train_module.train(script_args, args, model_args)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A few real steps through the command line
+# ---------------------------------------------------------------------------------------------------------------
+def _entry_point(name: str) -> list[str]:
+    """`exgrpo train` (the installed console script, else the same dispatcher with -m) or `python -m MODULE`."""
+    if name == "exgrpo train":
+        script = Path(sys.executable).parent / "exgrpo"
+        return [str(script), "train"] if script.is_file() else [sys.executable, "-m", "exgrpo_trl.cli", "train"]
+    return [sys.executable, "-m", name]
+
+
+def _run(entry: str, toy_dir: Path, out: Path, max_steps: int, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [
+        *_entry_point(entry),
+        "--config", str(TINY),
+        "--model_name_or_path", str(toy_dir),
+        "--dataset_name", str(toy_dir / "train.jsonl"),
+        "--output_dir", str(out),
+        "--max_steps", str(max_steps),
+        "--save_steps", "1",
+        "--logging_steps", "1",
+        "--per_device_train_batch_size", "16",  # 2 questions x 8 rollouts
+        "--generation_batch_size", "32",  # 2 optimizer steps per generation batch, as in the paper
+        *extra,
+    ]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_tiny_cpu_recipe_trains_evaluates_and_resumes(toy_dir, tmp_path):
+    out = tmp_path / "out"
+    evaluate = (
+        "--eval_strategy", "steps", "--eval_steps", "2", "--per_device_eval_batch_size", "16",
+        "--eval_dataset_name", str(toy_dir / "eval.jsonl"),
+    )
+    first = _run("exgrpo train", toy_dir, out, 2, *evaluate)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+    step_logs = [e for e in state["log_history"] if "loss" in e]
+    assert [e["step"] for e in step_logs] == [1, 2]
+    # the toy reward ran (by its registry name) and logged per-difficulty accuracy from the kept `digits` column
+    assert "rewards/addition_reward/mean" in step_logs[0]
+    assert any(k.startswith("accuracy/digits_") for k in step_logs[0])
+    assert any(k.startswith("exgrpo/") for k in step_logs[0])  # the ExGRPO trainer did the training
+    # evaluation on the held-out file at step 2
+    (eval_log,) = [e for e in state["log_history"] if "eval_loss" in e]
+    assert eval_log["step"] == 2 and "eval_rewards/addition_reward/mean" in eval_log
+    assert (out / "checkpoint-1").is_dir() and (out / "checkpoint-2").is_dir()
+    assert (out / "model.safetensors").is_file()
+    card = (out / "README.md").read_text()
+    assert "exgrpo" in card and "ExGRPO" in card and str(toy_dir / "train.jsonl") in card
+    assert json.loads((out / "config.json").read_text())["use_cache"] is True
+    # the saved tokenizer is still the char tokenizer
+    assert len(load_tokenizer(str(out))) == 16
+
+    # Same output_dir, more steps: picks up checkpoint-2 by itself and trains only step 3 (python -m exgrpo_trl.train)
+    second = _run("exgrpo_trl.train", toy_dir, out, 3)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"Resuming from checkpoint {out / 'checkpoint-2'}" in second.stdout + second.stderr
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 3
+    assert [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3]
+    # only one step's metrics were printed by the second run
+    assert (second.stdout + second.stderr).count("'step_time'") == 1
