@@ -90,6 +90,28 @@ class ScriptArguments(TrlScriptArguments):
         default=None, metadata={"help": "Tokenizer to load instead of the model's own."}
     )
     dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes for dataset preprocessing."})
+    validation_dataset: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "In-training validation sets (exgrpo_trl.callbacks.ValidationCallback): benchmark names of "
+            "`exgrpo eval` (aime24, math500, ..., read from the Hub), NAME=PATH for a local file of that benchmark's "
+            "schema (or, for another NAME, a math file with prompt/question/problem + answer), or a PATH. Graded by "
+            "the evaluation harness's code and logged as eval/<name>/...; the experience buffer is not touched."
+        },
+    )
+    validation_steps: int = field(
+        default=10, metadata={"help": "Validate every N optimizer steps (the reference run: 10); 0 disables."}
+    )
+    validation_samples: int = field(default=1, metadata={"help": "Validation completions per question (avg@k)."})
+    validation_temperature: float = field(default=0.6, metadata={"help": "Validation sampling temperature."})
+    validation_top_p: float = field(default=1.0, metadata={"help": "Validation top-p."})
+    validation_max_new_tokens: int | None = field(
+        default=None, metadata={"help": "Validation completion budget (default: the config's max_completion_length)."}
+    )
+    validation_batch_size: int = field(default=64, metadata={"help": "Validation sequences per generate call."})
+    validation_limit: int | None = field(
+        default=None, metadata={"help": "Validate on the first N questions of each validation set only."}
+    )
 
 
 def build_parser() -> TrlParser:
@@ -171,6 +193,31 @@ def _setup_logging(training_args: ExGRPOConfig) -> None:
     transformers.utils.logging.enable_explicit_format()
 
 
+def _attach_validation(trainer, script_args: ScriptArguments, training_args: ExGRPOConfig):
+    """In-training validation on `validation_dataset` every `validation_steps` steps (a `ValidationCallback`)."""
+    from .callbacks import ValidationCallback
+    from .evaluation import load_benchmark, parse_benchmark_spec
+
+    with training_args.main_process_first(desc="validation data"):
+        benchmarks = []
+        for spec in script_args.validation_dataset:
+            name, path = parse_benchmark_spec(spec)
+            benchmarks.append(
+                load_benchmark(name, path, system_prompt=script_args.system_prompt, limit=script_args.validation_limit)
+            )
+    callback = ValidationCallback(
+        benchmarks,
+        steps=script_args.validation_steps,
+        samples=script_args.validation_samples,
+        temperature=script_args.validation_temperature,
+        top_p=script_args.validation_top_p,
+        max_new_tokens=script_args.validation_max_new_tokens or training_args.max_completion_length,
+        batch_size=script_args.validation_batch_size,
+        seed=training_args.seed,
+    )
+    return callback.attach(trainer)
+
+
 def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args: ModelConfig) -> int:
     from .trainer import ExGRPOTrainer  # imported here: parsing recipes does not need the trainer
 
@@ -231,6 +278,9 @@ def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args:
         peft_config=get_peft_config(model_args),
         quantization_config=get_quantization_config(model_args),
     )
+
+    if script_args.validation_dataset and script_args.validation_steps > 0:
+        _attach_validation(trainer, script_args, training_args)
 
     train_result = trainer.train(resume_from_checkpoint=checkpoint)
     metrics = train_result.metrics
