@@ -1,0 +1,53 @@
+"""The ExGRPO section of a model card: the main training values and the experience buffer at the end of training."""
+
+from __future__ import annotations
+
+from typing import Any
+
+SECTION_TITLE = "## ExGRPO training"
+
+
+def exgrpo_card_section(args: Any, buffer: Any, global_step: int, replay_active: bool) -> str:
+    """Markdown for the model card: how ExGRPO was configured and what its buffer held when the card was written."""
+    delayed = args.replay_start_pass_rate
+    rows = [
+        ("replay ratio (rho)", args.replay_ratio),
+        ("policy shaping gamma", "none (plain importance ratio)" if args.policy_shaping_gamma is None
+         else args.policy_shaping_gamma),
+        ("delayed start (batch Pass@1 >)", "off (replay from the first step)" if not delayed else delayed),
+        ("rollouts per question (K)", args.num_generations),
+        ("question selection", f"{args.question_selection} (mu {args.replay_mu}, sigma {args.replay_sigma})"),
+        ("trajectory selection", args.trajectory_selection),
+        ("importance correction", args.replay_importance_correction),
+        ("loss type", args.loss_type),
+        ("learning rate", args.learning_rate),
+        ("optimizer steps", global_step),
+    ]
+    lines = [
+        SECTION_TITLE,
+        "",
+        "Trained with ExGRPO (Experiential Group Relative Policy Optimization, "
+        "[arXiv 2510.02245](https://arxiv.org/abs/2510.02245)) with exgrpo-trl, on TRL's GRPOTrainer.",
+        "",
+        "| setting | value |",
+        "|---|---|",
+        *(f"| {name} | {value} |" for name, value in rows),
+        "",
+        f"Experience buffer at the end of training: {buffer.num_questions} questions, "
+        f"{buffer.num_trajectories} trajectories, {len(buffer.retired)} retired questions "
+        f"(replay {'active' if replay_active else 'not started'}).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def add_section(card_text: str, section: str) -> str:
+    """Insert (or replace) the ExGRPO section before the card's citation section, or at the end."""
+    if SECTION_TITLE in card_text:
+        start = card_text.index(SECTION_TITLE)
+        end = card_text.find("\n## ", start + len(SECTION_TITLE))
+        card_text = card_text[:start] + card_text[end + 1 :] if end != -1 else card_text[:start]
+    anchor = card_text.find("\n## Citations")
+    if anchor == -1:
+        return card_text.rstrip("\n") + "\n\n" + section
+    return card_text[: anchor + 1] + section + "\n" + card_text[anchor + 1 :]
