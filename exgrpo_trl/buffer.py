@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,21 +223,15 @@ class ExperienceBuffer:
             "seed": self.seed,
         }
 
-    def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        """The whole buffer as flat arrays (for safetensors) and JSON-able metadata; no pickle anywhere.
+    def iter_trajectories(self) -> Iterator[Trajectory]:
+        """Every stored trajectory in saved order: questions in buffer order, trajectories in stored order."""
+        for entry in self.questions.values():
+            yield from entry.trajectories
 
-        Arrays: every stored token's id and behaviour log-prob concatenated (questions in buffer order, trajectories
-        in stored order), each trajectory's length and collection step. Metadata: the config, the sampler's random
-        generator state, the questions (key, bucket, dataset row, number of trajectories) and the retired set.
-        """
-        trajectories = [t for entry in self.questions.values() for t in entry.trajectories]
-        arrays = {
-            "completion_ids": _concat([t.completion_ids for t in trajectories], IDS_DTYPE),
-            "logps": _concat([t.logps for t in trajectories], LOGPS_DTYPE),
-            "lengths": np.array([t.completion_ids.size for t in trajectories], dtype=np.int64),
-            "steps": np.array([t.step for t in trajectories], dtype=np.int64),
-        }
-        meta = {
+    def state_meta(self) -> dict[str, Any]:
+        """The JSON-able part of the state: the config, the sampler's random generator state, the questions (key,
+        bucket, dataset row, number of trajectories) and the retired set."""
+        return {
             "config": self.config_dict(),
             "rng_state": self.rng.bit_generator.state,
             "questions": [
@@ -246,16 +240,26 @@ class ExperienceBuffer:
             ],
             "retired": sorted(self.retired),
         }
-        return arrays, meta
+
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The whole buffer as flat arrays (for safetensors) and JSON-able metadata; no pickle anywhere.
+
+        Arrays: every stored token's id and behaviour log-prob concatenated (questions in buffer order, trajectories
+        in stored order), each trajectory's length and collection step. Metadata: see `state_meta`.
+        (`state.save_state` writes the same arrays to disk without concatenating them in memory.)
+        """
+        trajectories = list(self.iter_trajectories())
+        arrays = {
+            "completion_ids": _concat([t.completion_ids for t in trajectories], IDS_DTYPE),
+            "logps": _concat([t.logps for t in trajectories], LOGPS_DTYPE),
+            "lengths": np.array([t.completion_ids.size for t in trajectories], dtype=np.int64),
+            "steps": np.array([t.step for t in trajectories], dtype=np.int64),
+        }
+        return arrays, self.state_meta()
 
     def load_state_dict(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
         """Restore what `state_dict` produced. Raises ValueError if the arrays and metadata do not fit together."""
-        config = meta["config"]
-        if config["num_generations"] != self.num_generations:
-            raise ValueError(
-                f"the saved buffer was built with num_generations={config['num_generations']}, this run uses "
-                f"{self.num_generations}"
-            )
+        self._check_config(meta)
         lengths, steps = arrays["lengths"], arrays["steps"]
         ids, logps = arrays["completion_ids"], arrays["logps"]
         counts = [q["num_trajectories"] for q in meta["questions"]]
@@ -264,24 +268,46 @@ class ExperienceBuffer:
         if int(lengths.sum()) != ids.size or ids.size != logps.size:
             raise ValueError(f"lengths add up to {int(lengths.sum())} tokens, but {ids.size} ids and {logps.size} "
                              "log-probs were saved")
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        # Copies, not views: a view would keep the whole loaded array alive as long as any one trajectory lives, so
+        # the memory of questions retired after a resume would never be reclaimed.
+        trajectories = [
+            Trajectory(ids[offsets[t] : offsets[t + 1]].copy(), logps[offsets[t] : offsets[t + 1]].copy(), int(steps[t]))
+            for t in range(lengths.size)
+        ]
+        self.restore(meta, trajectories)
+
+    def restore(self, meta: dict[str, Any], trajectories: Sequence[Trajectory]) -> None:
+        """Replace the buffer's content with `meta` (as `state_meta` returns it) and the trajectories in saved order.
+        The buffer takes the trajectories as they are (no copy). Raises ValueError if they do not fit together."""
+        self._check_config(meta)
+        counts = [q["num_trajectories"] for q in meta["questions"]]
+        if sum(counts) != len(trajectories):
+            raise ValueError(f"{sum(counts)} trajectories listed but {len(trajectories)} saved")
+        bad = [q["k"] for q in meta["questions"] if q["k"] not in self._buckets]
+        if bad:
+            raise ValueError(f"saved buckets {sorted(set(bad))} are outside 1..{self.num_generations - 1}")
+        config = meta["config"]
         self.mu, self.sigma = config["mu"], config["sigma"]
         self.question_selection, self.seed = config["question_selection"], config["seed"]
         self.rng.bit_generator.state = meta["rng_state"]
         self.questions.clear()
         for members in self._buckets.values():
             members.clear()
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
         t = 0
-        for q in meta["questions"]:
-            entry = QuestionEntry(row=q["row"], k=q["k"])
-            for _ in range(q["num_trajectories"]):
-                start, end = offsets[t], offsets[t + 1]
-                entry.trajectories.append(Trajectory(ids[start:end], logps[start:end], int(steps[t])))
-                t += 1
-            self.questions[q["key"]] = entry
+        for q, n in zip(meta["questions"], counts):
+            self.questions[q["key"]] = QuestionEntry(row=q["row"], k=q["k"], trajectories=list(trajectories[t : t + n]))
             self._buckets[q["k"]][q["key"]] = None
+            t += n
         self.retired.clear()
         self.retired.update(meta["retired"])
+
+    def _check_config(self, meta: dict[str, Any]) -> None:
+        saved = meta["config"]["num_generations"]
+        if saved != self.num_generations:
+            raise ValueError(
+                f"the saved buffer was built with num_generations={saved}, this run uses {self.num_generations}"
+            )
 
 
 def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:

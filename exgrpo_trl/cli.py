@@ -9,6 +9,8 @@ import sys
 SUBCOMMANDS = {
     "demo": ("exgrpo_trl.demo", "ExGRPO vs GRPO side by side on a toy task, on a CPU, in minutes"),
     "train": ("exgrpo_trl.train", "train from a YAML recipe (TrlParser; CLI flags override the recipe)"),
+    "inspect": ("exgrpo_trl.inspect", "summarise the experience buffer saved in a checkpoint (--plot FILE.png)"),
+    "eval": ("exgrpo_trl.evaluation", "the paper's benchmarks (avg@k), results.json + a table beside the paper's"),
 }
 
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 from safetensors import SafetensorError
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
-from .buffer import ExperienceBuffer
+from .buffer import IDS_DTYPE, LOGPS_DTYPE, ExperienceBuffer, Trajectory
 
 STATE_DIRNAME = "exgrpo_state"
 ARRAYS_FILENAME = "buffer.safetensors"
@@ -62,23 +62,231 @@ def save_state(directory: str | os.PathLike, buffer: ExperienceBuffer, trainer_s
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    arrays, meta = buffer.state_dict()
-    meta = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "buffer": meta,
-        "trainer": trainer_state,
-        "arrays": {name: {"crc32": _crc32(a), "size": int(a.size), "dtype": str(a.dtype)} for name, a in arrays.items()},
-    }
-    save_file(arrays, str(tmp / ARRAYS_FILENAME), metadata={"format": FORMAT_NAME, "version": str(FORMAT_VERSION)})
-    with open(tmp / META_FILENAME, "w", encoding="utf-8") as f:
-        json.dump(meta, f, default=_json_default)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        meta = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "buffer": buffer.state_meta(),
+            "trainer": trainer_state,
+            "arrays": _write_arrays(tmp / ARRAYS_FILENAME, list(buffer.iter_trajectories())),
+        }
+        text = json.dumps(meta, default=_json_default)  # dumps, not dump: only dumps uses the C encoder
+        with open(tmp / META_FILENAME, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     return final
+
+
+# ---------------------------------------------------------------------------------------------------------- arrays
+# buffer.safetensors is written and read here directly, one trajectory at a time, instead of through safetensors'
+# save_file / load_file: those need the token arrays concatenated in memory (plus a byte copy on save), i.e. two or
+# three times the buffer's size at peak and as many passes over ~1.8 GB at the paper's scale. The file is a
+# standard safetensors file all the same (safetensors.safe_open / load_file read it).
+_ST_DTYPE = {"int32": "I32", "int64": "I64", "float16": "F16", "float32": "F32"}
+_NP_DTYPE = {v: k for k, v in _ST_DTYPE.items()}
+_IOV_MAX = 512  # buffers per writev / preadv call (POSIX guarantees at least 16; Linux allows 1024)
+
+
+def _saved_arrays(trajectories: list[Trajectory]) -> list[tuple[str, np.dtype, list[np.ndarray]]]:
+    """The four arrays of the file, each as the list of pieces that concatenate to it (state.json order)."""
+    return [
+        ("completion_ids", np.dtype(IDS_DTYPE), [t.completion_ids for t in trajectories]),
+        ("logps", np.dtype(LOGPS_DTYPE), [t.logps for t in trajectories]),
+        ("lengths", np.dtype(np.int64), [np.array([t.completion_ids.size for t in trajectories], dtype=np.int64)]),
+        ("steps", np.dtype(np.int64), [np.array([t.step for t in trajectories], dtype=np.int64)]),
+    ]
+
+
+def _file_order(names_and_dtypes) -> list[str]:
+    # widest dtype first, so every array starts aligned to its item size (what safetensors' own writer does)
+    return [name for name, dtype in sorted(names_and_dtypes, key=lambda nd: (-nd[1].itemsize, nd[0]))]
+
+
+def _write_arrays(path: Path, trajectories: list[Trajectory]) -> dict[str, dict[str, Any]]:
+    """Write the buffer's arrays to a safetensors file piece by piece; returns state.json's "arrays" entries."""
+    arrays = _saved_arrays(trajectories)
+    for name, dtype, pieces in arrays:
+        for piece in pieces:
+            if piece.dtype != dtype or not piece.flags.c_contiguous:
+                raise ValueError(f"a stored trajectory's {name} is not a contiguous {dtype} array")
+    sizes = {name: sum(p.size for p in pieces) for name, _, pieces in arrays}
+    by_name = {name: (dtype, pieces) for name, dtype, pieces in arrays}
+    header: dict[str, Any] = {"__metadata__": {"format": FORMAT_NAME, "version": str(FORMAT_VERSION)}}
+    offset = 0
+    order = _file_order((name, dtype) for name, dtype, _ in arrays)
+    for name in order:
+        dtype = by_name[name][0]
+        end = offset + sizes[name] * dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPE[dtype.name], "shape": [sizes[name]], "data_offsets": [offset, end]}
+        offset = end
+    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    entries = {}
+    with open(path, "wb", buffering=0) as f:
+        _write_all(f, [len(header_bytes).to_bytes(8, "little"), header_bytes])
+        for name in order:
+            pieces = [p for p in by_name[name][1] if p.size]  # contiguous arrays: buffers as they are, no copy
+            crc = 0
+            for piece in pieces:
+                crc = zlib.crc32(piece, crc)
+            _write_all(f, pieces)
+            entries[name] = {"crc32": crc, "size": sizes[name], "dtype": by_name[name][0].name}
+    return {name: entries[name] for name, _, _ in arrays}
+
+
+def _nbytes(buffer) -> int:
+    return buffer.nbytes if isinstance(buffer, (np.ndarray, memoryview)) else len(buffer)
+
+
+def _advance(buffers: list, done: int) -> list:
+    """What is left of `buffers` once their first `done` bytes are transferred (a short read or write)."""
+    while buffers and done >= _nbytes(buffers[0]):
+        done -= _nbytes(buffers[0])
+        buffers = buffers[1:]
+    if buffers and done:
+        buffers = [memoryview(buffers[0]).cast("B")[done:], *buffers[1:]]
+    return buffers
+
+
+def _write_all(f, buffers: list) -> None:
+    """Write every buffer in order: writev in batches where the platform has it, handling short writes."""
+    if not hasattr(os, "writev"):
+        for buffer in buffers:
+            f.write(buffer)
+        return
+    fd = f.fileno()
+    for start in range(0, len(buffers), _IOV_MAX):
+        batch = buffers[start : start + _IOV_MAX]
+        total = sum(_nbytes(b) for b in batch)
+        written = os.writev(fd, batch)
+        while written < total:  # a short write: go on from where it stopped
+            batch, total = _advance(batch, written), total - written
+            written = os.writev(fd, batch)
+
+
+def _read_header(path: Path) -> tuple[int, dict[str, tuple[str, int, int, int]]]:
+    """Parse a safetensors header: (start of the data, {name: (numpy dtype, size, begin, end)}), checked against
+    the file's size. Raises StateFileError for a missing, truncated or malformed file."""
+    if not path.is_file():
+        raise StateFileError(f"ExGRPO buffer file is missing: {path}")
+    try:
+        file_size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if file_size < 8 or n <= 0 or 8 + n > file_size:
+                raise ValueError(f"header length {n} does not fit a file of {file_size} bytes")
+            header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise TypeError("the header is not a JSON object")
+        entries, end_of_data = {}, 0
+        for name, value in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _NP_DTYPE[value["dtype"]]
+            begin, end = (int(x) for x in value["data_offsets"])
+            size = int(np.prod(value["shape"], dtype=np.int64))
+            if end - begin != size * np.dtype(dtype).itemsize or begin < 0:
+                raise ValueError(f"array '{name}' has offsets {begin}..{end} for {size} {dtype} values")
+            entries[name] = (dtype, size, begin, end)
+            end_of_data = max(end_of_data, end)
+        if 8 + n + end_of_data != file_size:
+            raise ValueError(f"the header describes {8 + n + end_of_data} bytes, the file has {file_size}")
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise StateFileError(f"ExGRPO buffer file is truncated or corrupted: {path} ({e})") from e
+    return 8 + n, entries
+
+
+def _check_header(path: Path, entries: dict, meta: dict[str, Any]) -> None:
+    for name, expected in meta["arrays"].items():
+        entry = entries.get(name)
+        if entry is None or entry[1] != expected["size"] or entry[0] != expected["dtype"]:
+            raise StateFileError(f"ExGRPO buffer file does not match its state.json (array '{name}'): {path}")
+
+
+def _read_into(fd: int, arrays: list[np.ndarray], offset: int, path: Path, crc: int = 0) -> int:
+    """Fill `arrays`, in order, from the file at `offset`; returns the CRC-32 of the bytes read (continuing `crc`)."""
+    arrays = [a for a in arrays if a.size]  # writable contiguous arrays: read into as they are
+    for start in range(0, len(arrays), _IOV_MAX):
+        batch = arrays[start : start + _IOV_MAX]
+        pending, left = batch, sum(a.nbytes for a in batch)
+        while left:
+            if hasattr(os, "preadv"):
+                got = os.preadv(fd, pending, offset)
+            else:
+                os.lseek(fd, offset, os.SEEK_SET)
+                got = os.readv(fd, pending)
+            if got <= 0:
+                raise StateFileError(f"ExGRPO buffer file is truncated or corrupted: {path} (unexpected end of file)")
+            offset, left = offset + got, left - got
+            if left:  # a short read: go on from where it stopped
+                pending = _advance(pending, got)
+        for array in batch:
+            crc = zlib.crc32(array, crc)
+    return crc
+
+
+def read_trajectories(directory: str | os.PathLike, meta: dict[str, Any]) -> list[Trajectory]:
+    """Read every stored trajectory straight from `buffer.safetensors` into its own arrays (no whole-file copy in
+    memory), checking sizes against state.json and every array's CRC-32. Raises StateFileError naming the file."""
+    path = Path(directory) / STATE_DIRNAME / ARRAYS_FILENAME
+    missing = {"completion_ids", "logps", "lengths", "steps"} - set(meta["arrays"])
+    if missing:
+        raise StateFileError(f"ExGRPO state file lists no arrays {sorted(missing)}: {path.parent / META_FILENAME}")
+    data_start, entries = _read_header(path)
+    _check_header(path, entries, meta)
+
+    def small(name):
+        dtype, size, begin, _ = entries[name]
+        array = np.empty(size, dtype=dtype)
+        if _read_into(fd, [array], data_start + begin, path) != meta["arrays"][name]["crc32"]:
+            raise StateFileError(f"ExGRPO buffer file is corrupted (checksum of '{name}' differs): {path}")
+        return array
+
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        lengths, steps = small("lengths"), small("steps")
+        if steps.size != lengths.size or (lengths < 0).any() or int(lengths.sum()) != entries["completion_ids"][1]:
+            raise StateFileError(
+                f"ExGRPO state in {path.parent} is inconsistent: {lengths.size} lengths adding up to "
+                f"{int(lengths.sum())} tokens, {steps.size} steps, {entries['completion_ids'][1]} token ids"
+            )
+        pieces = {}
+        for name, dtype in (("completion_ids", IDS_DTYPE), ("logps", LOGPS_DTYPE)):
+            if entries[name][1] != entries["completion_ids"][1]:
+                raise StateFileError(f"ExGRPO state in {path.parent} is inconsistent: {entries[name][1]} {name}")
+            pieces[name] = [np.empty(int(n), dtype=dtype) for n in lengths]
+            if _read_into(fd, pieces[name], data_start + entries[name][2], path) != meta["arrays"][name]["crc32"]:
+                raise StateFileError(f"ExGRPO buffer file is corrupted (checksum of '{name}' differs): {path}")
+    return [
+        Trajectory(ids, logps, int(step))
+        for ids, logps, step in zip(pieces["completion_ids"], pieces["logps"], steps.tolist())
+    ]
+
+
+def verify_arrays(directory: str | os.PathLike, meta: dict[str, Any], chunk_bytes: int = 1 << 24) -> None:
+    """Check every array of `buffer.safetensors` against state.json (sizes, CRC-32s), reading it in chunks: memory
+    stays at one chunk whatever the buffer's size. Raises StateFileError naming the file."""
+    path = Path(directory) / STATE_DIRNAME / ARRAYS_FILENAME
+    data_start, entries = _read_header(path)
+    _check_header(path, entries, meta)
+    chunk = np.empty(chunk_bytes, dtype=np.uint8)
+    with open(path, "rb", buffering=0) as f:
+        for name, expected in meta["arrays"].items():
+            _, _, begin, end = entries[name]
+            crc, position = 0, data_start + begin
+            while position < data_start + end:
+                part = chunk[: min(chunk_bytes, data_start + end - position)]
+                crc = _read_into(f.fileno(), [part], position, path, crc)
+                position += part.size
+            if crc != expected["crc32"]:
+                raise StateFileError(f"ExGRPO buffer file is corrupted (checksum of '{name}' differs): {path}")
 
 
 def has_state(directory: str | os.PathLike) -> bool:
@@ -109,7 +317,9 @@ def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_arrays(directory: str | os.PathLike, meta: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Read `buffer.safetensors` and check every array against the sizes and CRC-32s recorded in state.json."""
+    """Read `buffer.safetensors` whole and check every array against the sizes and CRC-32s recorded in state.json.
+    (Loading a buffer goes through `read_trajectories`, checking one through `verify_arrays`: neither holds the
+    whole file in memory.)"""
     path = Path(directory) / STATE_DIRNAME / ARRAYS_FILENAME
     if not path.is_file():
         raise StateFileError(f"ExGRPO buffer file is missing: {path}")
@@ -137,9 +347,9 @@ def load_state(
     meta = read_meta(directory)
     if buffer is not None:
         if with_trajectories:
-            arrays = read_arrays(directory, meta)
+            trajectories = read_trajectories(directory, meta)
             try:
-                buffer.load_state_dict(arrays, meta["buffer"])
+                buffer.restore(meta["buffer"], trajectories)
             except (KeyError, ValueError, TypeError) as e:
                 path = Path(directory) / STATE_DIRNAME
                 raise StateFileError(f"ExGRPO state in {path} is inconsistent: {e}") from e

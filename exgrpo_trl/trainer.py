@@ -269,7 +269,9 @@ class ExGRPOTrainer(GRPOTrainer):
                 candidates = entry.trajectories
                 if cfg.trajectory_selection == "random" and len(candidates) > 1:
                     candidates = [candidates[self.experience_buffer.choose_random(len(candidates))]]
-                payload.append((key, entry.row, [(t.completion_ids.tolist(), t.logps.tolist()) for t in candidates]))
+                # The stored arrays themselves (int32 ids, float16 log-probs): pickled as raw bytes for the broadcast,
+                # where Python lists cost ~5x the time and twice the bytes (see benchmarks/buffer_memory.py).
+                payload.append((key, entry.row, [(t.completion_ids, t.logps) for t in candidates]))
         payload = broadcast_object_list([payload])[0]
         if not payload:
             return None
@@ -303,7 +305,7 @@ class ExGRPOTrainer(GRPOTrainer):
             group_indices=list(range(first, num_groups)),
             keys=[key for key, _, _ in payload],
             rows=[row for _, row, _ in payload],
-            completion_ids=[payload[i][2][chosen[i]][0] for i in range(n_exp)],
+            completion_ids=[payload[i][2][chosen[i]][0].tolist() for i in range(n_exp)],
             behaviour_logps=[torch.tensor(payload[i][2][chosen[i]][1], dtype=torch.float32) for i in range(n_exp)],
             num_groups=num_groups,
             selected_entropies=selected_entropies,

@@ -1,0 +1,261 @@
+"""`exgrpo inspect CHECKPOINT_DIR`: what the experience buffer saved in a checkpoint holds.
+
+    exgrpo inspect out/checkpoint-700
+    exgrpo inspect out/checkpoint-700 --plot buffer.png     # bucket histogram and trajectory lengths
+    exgrpo inspect out/checkpoint-700 --json                # the same summary, machine-readable
+    exgrpo inspect out/checkpoint-700 --verify              # also read every array (in chunks), check its CRC-32
+
+Reads `exgrpo_state/state.json`, the header of `exgrpo_state/buffer.safetensors` and, from its arrays, only the
+per-trajectory lengths and collection steps (a few bytes per trajectory), so it is quick on a buffer of millions of
+tokens and never loads a model, a trainer, torch or trl. A missing, truncated or corrupted state is reported with
+the file it concerns, and the command exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, StateFileError, _crc32, read_meta, verify_arrays
+
+# safetensors dtype names -> numpy, for the arrays the state holds
+_DTYPES = {"I32": "int32", "I64": "int64", "F16": "float16", "F32": "float32"}
+SMALL_ARRAYS = ("lengths", "steps")  # the only arrays read (one entry per trajectory)
+
+
+def _checkpoint_of(path: Path) -> Path:
+    """The folder holding `exgrpo_state/`: the checkpoint itself, or its parent if given the state folder."""
+    if path.name == STATE_DIRNAME and (path / META_FILENAME).exists():
+        return path.parent
+    return path
+
+
+def _missing_state_hint(checkpoint: Path) -> str:
+    if not checkpoint.is_dir():
+        return f"{checkpoint} is not a folder"
+    checkpoints = sorted(
+        (p for p in checkpoint.glob("checkpoint-*") if p.is_dir()),
+        key=lambda p: int(p.name.rsplit("-", 1)[-1]) if p.name.rsplit("-", 1)[-1].isdigit() else -1,
+    )
+    if checkpoints:
+        return f"{checkpoint} looks like an output folder; its checkpoints: {', '.join(p.name for p in checkpoints)}"
+    return f"{checkpoint} holds no {STATE_DIRNAME}/ folder (a plain GRPO checkpoint?)"
+
+
+def _read_small_arrays(checkpoint: Path, meta: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Header of buffer.safetensors (name -> dtype, size) checked against state.json, and the per-trajectory
+    arrays, CRC-checked. The token arrays are not read."""
+    from safetensors import SafetensorError, safe_open
+
+    path = checkpoint / STATE_DIRNAME / ARRAYS_FILENAME
+    if not path.is_file():
+        raise StateFileError(f"ExGRPO buffer file is missing: {path}")
+    header, small = {}, {}
+    try:
+        with safe_open(str(path), framework="np") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                view = f.get_slice(name)
+                header[name] = {"dtype": _DTYPES.get(view.get_dtype(), view.get_dtype()),
+                                "size": int(np.prod(view.get_shape(), dtype=np.int64))}
+            for name in SMALL_ARRAYS:
+                if name in header:
+                    small[name] = f.get_tensor(name)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise StateFileError(f"ExGRPO buffer file is truncated or corrupted: {path} ({e})") from e
+    for name, expected in meta["arrays"].items():
+        got = header.get(name)
+        if got is None or got["size"] != expected["size"] or got["dtype"] != expected["dtype"]:
+            raise StateFileError(f"ExGRPO buffer file does not match its state.json (array '{name}'): {path}")
+    for name, array in small.items():
+        if _crc32(array) != meta["arrays"][name]["crc32"]:
+            raise StateFileError(f"ExGRPO buffer file is corrupted (checksum of '{name}' differs): {path}")
+    if set(SMALL_ARRAYS) - set(small):
+        raise StateFileError(f"ExGRPO buffer file lacks the arrays {sorted(set(SMALL_ARRAYS) - set(small))}: {path}")
+    return small, header
+
+
+def summarize(checkpoint: str | Path, *, verify: bool = False) -> dict[str, Any]:
+    """The summary `exgrpo inspect` prints, as a dict. Raises StateFileError for a missing or damaged state."""
+    checkpoint = _checkpoint_of(Path(checkpoint))
+    state_dir = checkpoint / STATE_DIRNAME
+    if not (state_dir / META_FILENAME).exists():
+        raise StateFileError(f"ExGRPO state file is missing: {state_dir / META_FILENAME} ({_missing_state_hint(checkpoint)})")
+    meta = read_meta(checkpoint)
+    if verify:
+        verify_arrays(checkpoint, meta)  # every array, every CRC-32, read in chunks
+    small, header = _read_small_arrays(checkpoint, meta)
+    lengths, steps = small["lengths"].astype(np.int64), small["steps"].astype(np.int64)
+
+    buffer = meta["buffer"]
+    try:
+        k_gen = int(buffer["config"]["num_generations"])
+        questions = [(int(q["k"]), int(q["num_trajectories"])) for q in buffer["questions"]]
+        retired = len(buffer["retired"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise StateFileError(f"ExGRPO state file is incomplete ({e!r}): {state_dir / META_FILENAME}") from e
+    num_trajectories = sum(n for _, n in questions)
+    num_tokens = int(lengths.sum())
+    if num_trajectories != lengths.size or steps.size != lengths.size or num_tokens != header["completion_ids"]["size"]:
+        raise StateFileError(
+            f"ExGRPO state in {state_dir} is inconsistent: {num_trajectories} trajectories listed, {lengths.size} "
+            f"lengths and {steps.size} steps saved, lengths add up to {num_tokens} tokens for "
+            f"{header['completion_ids']['size']} ids"
+        )
+
+    owner_k = np.repeat(np.array([k for k, _ in questions], dtype=np.int64),
+                        np.array([n for _, n in questions], dtype=np.int64))  # bucket of each trajectory
+    buckets = {}
+    for k in range(1, k_gen):
+        in_bucket = owner_k == k
+        buckets[k] = {
+            "questions": sum(1 for qk, _ in questions if qk == k),
+            "trajectories": int(in_bucket.sum()),
+            "tokens": int(lengths[in_bucket].sum()),
+        }
+    itemsize = {name: np.dtype(h["dtype"]).itemsize for name, h in header.items()}
+    token_bytes = num_tokens * (itemsize["completion_ids"] + itemsize["logps"])
+    per_trajectory_bytes = lengths.size * (itemsize["lengths"] + itemsize["steps"])
+    files = {name: (state_dir / name).stat().st_size for name in (ARRAYS_FILENAME, META_FILENAME)}
+    trainer = meta["trainer"]
+    return {
+        "path": str(state_dir),
+        "format_version": meta["format_version"],
+        "num_generations": k_gen,
+        "questions": len(questions),
+        "trajectories": num_trajectories,
+        "retired": retired,
+        "buckets": buckets,
+        "tokens": num_tokens,
+        "length": {
+            "mean": float(lengths.mean()) if lengths.size else 0.0,
+            "min": int(lengths.min()) if lengths.size else 0,
+            "max": int(lengths.max()) if lengths.size else 0,
+        },
+        "collected_steps": [int(steps.min()), int(steps.max())] if steps.size else None,
+        "bytes": {
+            "token_data": token_bytes,
+            "per_token": token_bytes / num_tokens if num_tokens else 0.0,
+            "per_trajectory_arrays": per_trajectory_bytes,
+            "files": files,
+            "total_on_disk": sum(files.values()),
+        },
+        "trainer": {
+            "replay_active": trainer.get("replay_active"),
+            "generation_batches": trainer.get("generation_batches"),
+        },
+        "verified": verify,
+        "_lengths": lengths,  # for the plot; dropped from the printed summary
+    }
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    k_gen = s["num_generations"]
+    b = s["bytes"]
+    lines = [
+        f"ExGRPO state  {s['path']}  (format version {s['format_version']})",
+        f"questions     {s['questions']:,}",
+        f"trajectories  {s['trajectories']:,}",
+        f"retired       {s['retired']:,}",
+        f"stored tokens {s['tokens']:,}"
+        + (f"  (per trajectory: mean {s['length']['mean']:.1f}, min {s['length']['min']}, max {s['length']['max']})"
+           if s["trajectories"] else ""),
+        (
+            f"bytes         {b['token_data']:,} of token ids + log-probs ({b['per_token']:.2f} per token), "
+            f"{b['per_trajectory_arrays']:,} of lengths + steps; on disk {b['files'][ARRAYS_FILENAME]:,} "
+            f"({ARRAYS_FILENAME}) + {b['files'][META_FILENAME]:,} ({META_FILENAME})"
+        ),
+    ]
+    if s["collected_steps"]:
+        lines.append(f"collected at  steps {s['collected_steps'][0]} to {s['collected_steps'][1]}")
+    t = s["trainer"]
+    active = {True: "on", False: "off (delayed start)"}.get(t["replay_active"], "unknown")
+    lines.append(f"replay        {active}; {t['generation_batches']} generation batches so far")
+    lines.append(f"buckets       k successes out of K={k_gen}:")
+    lines.append(f"  {'k':>4}  {'questions':>10}  {'trajectories':>12}  {'tokens':>12}")
+    for k, c in s["buckets"].items():
+        lines.append(f"  {k:>4}  {c['questions']:>10,}  {c['trajectories']:>12,}  {c['tokens']:>12,}")
+    if s["verified"]:
+        lines.append("verified      every array read and its CRC-32 checked")
+    return "\n".join(lines)
+
+
+def plot(s: dict[str, Any], path: str | Path) -> None:
+    """Bucket histogram (questions per success count) and the distribution of stored trajectory lengths."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError as e:
+        raise RuntimeError("--plot needs matplotlib: pip install 'exgrpo-trl[demo]'") from e
+
+    fig, (ax_b, ax_l) = plt.subplots(1, 2, figsize=(11, 4))
+    ks = list(s["buckets"])
+    counts = [s["buckets"][k]["questions"] for k in ks]
+    bars = ax_b.bar(ks, counts, color="#4C72B0")
+    ax_b.bar_label(bars, labels=[f"{c:,}" for c in counts], fontsize=8)
+    ax_b.set_xticks(ks, [f"{k}/{s['num_generations']}" for k in ks])
+    ax_b.set_xlabel("bucket (latest successes out of K)")
+    ax_b.set_ylabel("questions")
+    ax_b.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_b.set_title(f"{s['questions']:,} questions, {s['retired']:,} retired")
+
+    lengths = s["_lengths"]
+    if lengths.size:
+        low, high = int(lengths.min()), int(lengths.max())
+        # one bar per length when there are few distinct lengths, else 50 bins
+        bins = np.arange(low, high + 2) - 0.5 if high - low < 50 else 50
+        ax_l.hist(lengths, bins=bins, color="#55A868")
+        ax_l.axvline(lengths.mean(), color="k", linestyle="--", linewidth=1, label=f"mean {lengths.mean():.1f}")
+        ax_l.legend()
+    else:
+        ax_l.text(0.5, 0.5, "no stored trajectories", ha="center", va="center", transform=ax_l.transAxes)
+    ax_l.set_xlabel("completion length (tokens)")
+    ax_l.set_ylabel("trajectories")
+    ax_l.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_l.set_title(f"{s['trajectories']:,} trajectories, {s['tokens']:,} tokens")
+    fig.suptitle(s["path"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=100)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="exgrpo inspect",
+        description="Summarise the ExGRPO experience buffer saved in a checkpoint folder.",
+    )
+    parser.add_argument("checkpoint", help="a checkpoint folder (holding exgrpo_state/), or the exgrpo_state folder")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the bucket histogram and the trajectory lengths")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--verify", action="store_true", help="read every array and check its CRC-32 (slower)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        summary = summarize(args.checkpoint, verify=args.verify)
+        if args.plot:
+            plot(summary, args.plot)
+    except (StateFileError, RuntimeError) as e:
+        print(f"exgrpo inspect: {e}", file=sys.stderr)
+        return 1
+    printable = {k: v for k, v in summary.items() if not k.startswith("_")}
+    if args.json:
+        print(json.dumps(printable, indent=2))
+    else:
+        print(format_summary(printable))
+        if args.plot:
+            print(f"plot          {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

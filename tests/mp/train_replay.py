@@ -1,0 +1,320 @@
+"""Run by tests/test_multiprocess.py under `accelerate launch --num_processes 2` (DDP over gloo, or DeepSpeed ZeRO-3),
+never by pytest directly.
+
+Trains the tiny model of tests/conftest.py with replay on and lowest-entropy trajectory selection, and writes what
+the test compares to OUT/rank{r}.json:
+
+- the world as each rank sees it (num_processes, distributed type, ZeRO stage, model engine class);
+- per generation batch: a hash of the replay plan (groups, keys, selected completion ids, behaviour log-probs), the
+  number of candidates scored for entropy and the rows this rank scored;
+- per optimizer step: the forward passes through the model outside generation (loss, old log-probs, entropy
+  scoring), which must be equal on every rank, and the forward passes of entropy scoring alone;
+- the trajectories this rank handed to the main process at each flush, and the buffer as this rank holds it after
+  training (sizes, a hash of its state, the retired set), host RSS;
+- with --uneven: `_exgrpo_score_entropies` called directly with candidate counts that split unevenly over 2 ranks
+  (1, 3, 2B+1 with B the scoring chunk size), compared with unsharded scoring;
+- with --resume: a second trainer resumes from the last checkpoint; the buffer each rank holds right after loading.
+
+Options are plain argv flags so the launch command stays short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import torch
+
+from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
+from exgrpo_trl.buffer import ExperienceBuffer
+from tests.conftest import config_kwargs, make_model, make_reward, synthetic_dataset
+
+
+def buffer_hash(buffer: ExperienceBuffer) -> str:
+    """A hash of the whole buffer state: arrays byte for byte and metadata (rows, buckets, retired, generator)."""
+    arrays, meta = buffer.state_dict()
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        h.update(name.encode())
+        h.update(str(arrays[name].dtype).encode())
+        h.update(np.ascontiguousarray(arrays[name]).tobytes())
+    h.update(json.dumps(meta, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def retired_hash(buffer: ExperienceBuffer) -> str:
+    return hashlib.sha256(json.dumps(sorted(buffer.retired)).encode()).hexdigest()
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class RecordingTrainer(ExGRPOTrainer):
+    """Counts forward passes through the model (outside generation) and records plans, scoring and flushes."""
+
+    def __init__(self, *args, break_padding: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rec = {"plans": [], "steps": [], "flushes": [], "scoring": []}
+        self._break_padding = break_padding
+        self._generating = False
+        self._forwards = 0  # forward passes through the model outside generation
+        self._scoring_forwards = 0
+        self._in_scoring = False
+        self._step_marks = (0, 0)
+        self.model.register_forward_pre_hook(self._count_forward)
+
+    def _count_forward(self, module, args):
+        if not self._generating:
+            self._forwards += 1
+            if self._in_scoring:
+                self._scoring_forwards += 1
+
+    def _generate_single_turn(self, *args, **kwargs):
+        # Generation may stop at a different length on each rank (all sequences finished): not counted.
+        self._generating = True
+        try:
+            return super()._generate_single_turn(*args, **kwargs)
+        finally:
+            self._generating = False
+
+    def _exgrpo_make_plan(self, num_local):
+        plan = super()._exgrpo_make_plan(num_local)
+        entry = {"step": self.state.global_step, "plan": None}
+        if plan is not None:
+            h = hashlib.sha256()
+            h.update(json.dumps([plan.group_indices, plan.keys, plan.completion_ids, plan.num_groups]).encode())
+            for logps in plan.behaviour_logps:
+                h.update(logps.numpy().tobytes())
+            entry["plan"] = h.hexdigest()
+            entry["num_replayed"] = len(plan.keys)
+        self.rec["plans"].append(entry)
+        return plan
+
+    def _exgrpo_score_entropies(self, prompt_ids, completion_ids):
+        before = self._scoring_forwards
+        self._in_scoring = True
+        try:
+            result = self._score(prompt_ids, completion_ids)
+        finally:
+            self._in_scoring = False
+        self.rec["scoring"].append(
+            {
+                "step": self.state.global_step,
+                "candidates": len(completion_ids),
+                "forwards": self._scoring_forwards - before,
+                "entropies": [round(float(x), 6) for x in result],
+            }
+        )
+        return result
+
+    def _score(self, prompt_ids, completion_ids):
+        if not self._break_padding:
+            return super()._exgrpo_score_entropies(prompt_ids, completion_ids)
+        # Negative control: the same contiguous shares, without padding them to the same number of rows, so with
+        # 2B+1 candidates one rank runs two forward passes and the other one (what ZeRO-3 cannot survive).
+        from accelerate.utils import gather_object
+
+        total, world, rank = len(completion_ids), self.accelerator.num_processes, self.accelerator.process_index
+        per_rank = math.ceil(total / world)
+        mine = list(range(rank * per_rank, min((rank + 1) * per_rank, total)))
+        values = []
+        if mine:
+            values = self._exgrpo_mean_entropies([prompt_ids[i] for i in mine], [completion_ids[i] for i in mine])
+            values = values.tolist()
+        return torch.tensor([x for part in gather_object([values]) for x in part])
+
+    def _exgrpo_flush(self, keep_pending: bool = False):
+        pending = self._exgrpo_pending
+        if pending is not None:
+            self.rec["flushes"].append(
+                {
+                    "step": self.state.global_step,
+                    "trajectories": [
+                        [pending.row_keys[local][1], ids] for local, (ids, _) in sorted(pending.trajectories.items())
+                    ],
+                    "groups": [[g, key, k] for g, key, k, _ in pending.groups],
+                }
+            )
+        super()._exgrpo_flush(keep_pending=keep_pending)
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)
+        forwards, scoring = self._forwards - self._step_marks[0], self._scoring_forwards - self._step_marks[1]
+        self._step_marks = (self._forwards, self._scoring_forwards)
+        self.rec["steps"].append({"step": self.state.global_step, "forwards": forwards, "scoring_forwards": scoring})
+        return loss
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            self.rec["after_load"] = buffer_summary(self.experience_buffer) | {"exgrpo_state": dict(self.exgrpo_state)}
+
+
+def buffer_summary(buffer: ExperienceBuffer) -> dict:
+    return {
+        "questions": buffer.num_questions,
+        "trajectories": buffer.num_trajectories,
+        "tokens": buffer.num_tokens,
+        "retired": sorted(buffer.retired),
+        "retired_hash": retired_hash(buffer),
+        "state_hash": buffer_hash(buffer),
+        "stored": {key: [t.completion_ids.tolist() for t in e.trajectories] for key, e in buffer.questions.items()},
+    }
+
+
+def world_info(trainer) -> dict:
+    acc = trainer.accelerator
+    info = {
+        "num_processes": acc.num_processes,
+        "process_index": acc.process_index,
+        "is_main_process": acc.is_main_process,
+        "distributed_type": str(acc.distributed_type),
+        "backend": acc.state.backend,
+        "engine": type(trainer.model_wrapped).__name__,
+        "zero_stage": None,
+    }
+    if hasattr(trainer.model_wrapped, "zero_optimization_stage"):
+        info["zero_stage"] = trainer.model_wrapped.zero_optimization_stage()
+    return info
+
+
+def build(out: Path, args, max_steps: int, break_padding: bool = False) -> RecordingTrainer:
+    from exgrpo_trl.toy import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    kwargs = config_kwargs(
+        out,
+        per_device_train_batch_size=6,  # 12 rows per rank per generation batch: the middle group spans both ranks
+        steps_per_generation=2,
+        num_generations=8,
+        max_steps=max_steps,
+        replay_ratio=0.7,  # 3 groups per generation batch: 2 replayed (groups 1 and 2; group 1 spans both ranks)
+        replay_start_pass_rate=0.0,
+        trajectory_selection="lowest_entropy",
+        save_strategy="steps",
+        save_steps=args.save_steps,
+        use_cpu=True,  # without it accelerate finds no backend on a machine without CUDA: a world of 1 on each rank
+        seed=args.seed,
+    )
+    trainer = RecordingTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=make_reward(tokenizer),
+        args=ExGRPOConfig(**kwargs),
+        train_dataset=synthetic_dataset(n=24, always_every=6),
+        processing_class=tokenizer,
+        break_padding=break_padding,
+    )
+    return trainer
+
+
+def uneven_scoring(trainer: RecordingTrainer) -> list[dict]:
+    """Score candidate counts that split unevenly over the ranks, directly, and compare with unsharded scoring."""
+    tokenizer = trainer.processing_class
+    chunk = trainer.args.per_device_train_batch_size
+    prompts = [tokenizer(f"{i % 10}+{i % 7}=")["input_ids"] for i in range(2 * chunk + 1)]
+    rng = np.random.default_rng(0)
+    completions = [rng.integers(4, 16, size=int(rng.integers(1, 9))).tolist() + [tokenizer.eos_token_id]
+                   for _ in prompts]
+    results = []
+    trainer.model.eval()
+    for n in (1, 3, 2 * chunk + 1):
+        before = trainer._scoring_forwards
+        sharded = trainer._exgrpo_score_entropies(prompts[:n], completions[:n])
+        forwards = trainer._scoring_forwards - before
+        trainer._in_scoring = True  # every rank scores all n here: the same forward passes again
+        try:
+            full = trainer._exgrpo_mean_entropies(prompts[:n], completions[:n]).cpu()
+        finally:
+            trainer._in_scoring = False
+        results.append(
+            {
+                "candidates": n,
+                "forwards": forwards,
+                "sharded": [float(x) for x in sharded],
+                "max_abs_diff": float((sharded - full).abs().max()),
+            }
+        )
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--max-steps", type=int, default=8)
+    parser.add_argument("--save-steps", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--expect", choices=["ddp", "zero3"], required=True)
+    parser.add_argument("--uneven", action="store_true", help="call _exgrpo_score_entropies with uneven counts")
+    parser.add_argument("--resume", action="store_true", help="resume a second trainer from the last checkpoint")
+    parser.add_argument("--break-padding", action="store_true", help="negative control: unequal forward passes")
+    args = parser.parse_args()
+    out = Path(args.out)
+    t0 = time.time()
+
+    trainer = build(out, args, args.max_steps, break_padding=args.break_padding)
+    info = world_info(trainer)  # before train(): the engine is not built yet, only the state
+    record: dict = {"world_before_train": info}
+    rank = trainer.accelerator.process_index
+    # The checks that were silently skipped before: a real world of 2 on every rank.
+    assert trainer.accelerator.num_processes == 2, f"rank sees a world of {trainer.accelerator.num_processes}"
+    assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == 2
+
+    trainer.train()
+    record["world"] = world_info(trainer)
+    if args.expect == "zero3":
+        assert record["world"]["distributed_type"] == "DistributedType.DEEPSPEED", record["world"]
+        assert record["world"]["zero_stage"] == 3, record["world"]
+    else:
+        assert record["world"]["distributed_type"] == "DistributedType.MULTI_CPU", record["world"]
+        assert record["world"]["engine"] == "DistributedDataParallel", record["world"]
+    record["train_seconds"] = time.time() - t0
+    record.update(trainer.rec)
+    record["buffer"] = buffer_summary(trainer.experience_buffer)
+    record["exgrpo_state"] = dict(trainer.exgrpo_state)
+    record["global_step"] = trainer.state.global_step
+    if args.uneven:
+        record["uneven"] = uneven_scoring(trainer)
+    record["rss_mb"] = rss_mb()
+    record["max_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    if args.resume:
+        checkpoint = out / "out" / f"checkpoint-{trainer.state.global_step}"
+        resumed = build(out, args, args.max_steps + 2)
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+        record["resumed"] = {
+            "after_load": resumed.rec.get("after_load"),
+            "global_step": resumed.state.global_step,
+            "plans": resumed.rec["plans"],
+            "steps": resumed.rec["steps"],
+            "buffer": buffer_summary(resumed.experience_buffer),
+        }
+
+    record["seconds"] = time.time() - t0
+    with open(out / f"rank{rank}.json", "w") as f:
+        json.dump(record, f)
+    trainer.accelerator.wait_for_everyone()
+    # Tear the process group down before the interpreter exits: left to the exit handlers, gloo's threads can be
+    # destroyed while still joinable ("terminate called without an active exception", SIGABRT on one rank).
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""Two real processes: `accelerate launch --num_processes 2` under DDP (gloo) and under DeepSpeed ZeRO-3, on CPU.
+
+Each launch trains the tiny model with replay on and lowest-entropy trajectory selection (tests/mp/train_replay.py),
+saves a checkpoint, resumes a second trainer from it, and calls the entropy scoring directly with candidate counts
+that split unevenly over the two ranks. Every rank writes what it saw to a JSON file; the tests compare them:
+
+- each rank really is one of two (a previous configuration silently ran one process, or two worlds of one);
+- one logical buffer: trajectories live on rank 0 only, the replay plan is identical on every rank, the retired set
+  is the same everywhere, every trajectory of every rank reaches rank 0, and the checkpoint holds rank 0's buffer;
+- the same forward passes on every rank at every step (entropy scoring included), so ZeRO-3 cannot hang; a launch
+  that hangs or fails fails the test (subprocess timeout, the whole process group killed).
+
+Why the accelerate configs look the way they do: see tests/mp/ddp_cpu.yaml and tests/mp/zero3_cpu.yaml.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MP = ROOT / "tests" / "mp"
+LAUNCH_TIMEOUT_S = 300  # a healthy launch takes 20-40 s here; a hang fails the test instead of blocking the suite
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+class LaunchTimeout(AssertionError):
+    pass
+
+
+def launch(config: str, out: Path, *script_args: str, timeout: float = LAUNCH_TIMEOUT_S) -> list[dict]:
+    """`accelerate launch` the training script on 2 processes; returns each rank's record, rank order."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "ACCELERATE_USE_CPU", "ACCELERATE_USE_DEEPSPEED"):
+        env.pop(var, None)  # leftovers of an enclosing launch must not leak into this one
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(MP / config), "--num_processes", "2",
+        str(MP / "train_replay.py"), "--out", str(out), *script_args,
+    ]  # fmt: skip
+    log = out / "launch.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            raise LaunchTimeout(f"launch still running after {timeout:.0f} s (a hang?); log: {log}") from None
+        except BaseException:  # interrupted (Ctrl-C, pytest-timeout): leave nothing running
+            _stop(proc)
+            raise
+    tail = log.read_text(errors="replace")[-6000:]
+    assert rc == 0, f"launch failed (exit {rc}):\n{tail}"
+    records = []
+    for rank in range(2):
+        path = out / f"rank{rank}.json"
+        assert path.is_file(), f"rank {rank} wrote nothing:\n{tail}"
+        records.append(json.loads(path.read_text()))
+    return records
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Stop a launch and every process it started. torchrun starts each rank in a session of its own, so killing
+    the launcher's process group does not reach the ranks, and a SIGKILLed launcher leaves them running forever
+    (hung in a collective): collect them first, SIGTERM the launcher (torchrun forwards it), then SIGKILL what is
+    left, each by its PID."""
+    import psutil
+
+    try:
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        ranks = []
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for rank in ranks:
+        try:
+            rank.kill()  # psutil checks the PID still names the same process
+            rank.wait(timeout=10)
+        except psutil.NoSuchProcess:
+            pass
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    return out, launch("ddp_cpu.yaml", out, "--expect", "ddp", "--uneven", "--resume")
+
+
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory):
+    if not HAS_DEEPSPEED:
+        pytest.skip("deepspeed is not installed (pip install exgrpo-trl[deepspeed])")
+    out = tmp_path_factory.mktemp("zero3")
+    return out, launch("zero3_cpu.yaml", out, "--expect", "zero3", "--uneven", "--resume")
+
+
+RUNS = ["ddp_run", "zero3_run"]
+
+
+@pytest.fixture(params=RUNS)
+def run(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
+def test_each_rank_sees_a_world_of_two(run, request):
+    _, ranks = run
+    assert [r["world"]["process_index"] for r in ranks] == [0, 1]
+    assert [r["world"]["is_main_process"] for r in ranks] == [True, False]
+    for r in ranks:
+        world = r["world"]
+        assert world["num_processes"] == 2 and world["backend"] == "gloo", world
+        if request.node.callspec.params["run"] == "zero3_run":
+            assert world["distributed_type"] == "DistributedType.DEEPSPEED", world
+            assert world["engine"] == "DeepSpeedEngine" and world["zero_stage"] == 3, world
+        else:
+            assert world["distributed_type"] == "DistributedType.MULTI_CPU", world
+            assert world["engine"] == "DistributedDataParallel", world
+        assert r["global_step"] == 8
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
+def test_replay_plan_is_identical_on_every_rank(run):
+    _, (r0, r1) = run
+    assert r0["plans"] == r1["plans"]
+    plans = [p["plan"] for p in r0["plans"]]
+    assert len(plans) == 4 and plans[0] is None  # 8 steps, a generation batch every 2; the buffer starts empty
+    assert all(plans[1:]) and len(set(plans[1:])) == 3, plans
+    assert all(p["num_replayed"] == 2 for p in r0["plans"][1:])  # floor(0.7 * 3 groups)
+    assert r0["resumed"]["plans"] == r1["resumed"]["plans"] and r0["resumed"]["plans"][0]["plan"]
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
+def test_same_forward_passes_on_every_rank(run):
+    _, (r0, r1) = run
+    assert r0["steps"] == r1["steps"] and len(r0["steps"]) == 8
+    assert r0["resumed"]["steps"] == r1["resumed"]["steps"]
+    # entropy scoring ran (sharded over the ranks) and took the same forward passes on each
+    assert r0["scoring"] == r1["scoring"]
+    assert sum(s["scoring_forwards"] for s in r0["steps"]) == sum(s["forwards"] for s in r0["scoring"][:3]) > 0
+    assert all(len(s["entropies"]) == s["candidates"] for s in r0["scoring"])
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
+def test_uneven_candidates_do_not_hang(run):
+    """1, 3 and 2B+1 candidates (B = the scoring chunk, 6 rows) over 2 ranks: one rank's share is larger. Shares
+    are padded to the same number of rows, so both ranks run 1, 1 and 2 forward passes, and the sharded result
+    equals scoring every candidate on one rank. (Under ZeRO-3 an unpadded 2B+1 split hangs: see the slow test.)"""
+    _, (r0, r1) = run
+    assert r0["uneven"] == r1["uneven"]
+    assert [u["candidates"] for u in r0["uneven"]] == [1, 3, 13]
+    assert [u["forwards"] for u in r0["uneven"]] == [1, 1, 2]
+    for u in r0["uneven"]:
+        assert len(u["sharded"]) == u["candidates"] and u["max_abs_diff"] < 1e-5, u
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
+def test_one_logical_buffer_on_the_main_process(run):
+    _, (r0, r1) = run
+    b0, b1 = r0["buffer"], r1["buffer"]
+    assert b0["trajectories"] > 0 and b0["tokens"] > 0 and b0["questions"] > 0
+    assert (b1["questions"], b1["trajectories"], b1["tokens"]) == (0, 0, 0)  # host memory does not grow with ranks
+    assert b0["retired"] and b0["retired_hash"] == b1["retired_hash"]  # the sampler's view agrees everywhere
+    assert r0["exgrpo_state"] == r1["exgrpo_state"]
+
+    # Every trajectory a rank handed over reached rank 0 (unless its question retired since), and rank 0 stores
+    # nothing else. Rank 1 holds part of the batch, including part of a group that spans both ranks.
+    stored = {key: {tuple(ids) for ids in trajectories} for key, trajectories in b0["stored"].items()}
+    handed = {0: set(), 1: set()}
+    for rank, record in enumerate((r0, r1)):
+        for flush in record["flushes"]:
+            handed[rank] |= {(key, tuple(ids)) for key, ids in flush["trajectories"]}
+    for rank in (0, 1):
+        missing = {(k, ids) for k, ids in handed[rank] if k in stored and ids not in stored[k]}
+        assert not missing, (rank, missing)
+    assert {(k, ids) for k, all_ids in stored.items() for ids in all_ids} <= handed[0] | handed[1]
+    assert any(k in stored and ids in stored[k] for k, ids in handed[1]), "nothing of rank 1 reached the buffer"
+    assert all(k not in stored for k in b0["retired"])
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
+def test_checkpoint_holds_rank0_buffer_and_resume_restores_it_on_every_rank(run):
+    from exgrpo_trl.buffer import ExperienceBuffer
+    from exgrpo_trl.state import load_state
+
+    from .mp.train_replay import buffer_hash, retired_hash
+
+    out, (r0, r1) = run
+    saved = ExperienceBuffer(8)
+    trainer_state = load_state(out / "out" / "checkpoint-8", saved)
+    assert buffer_hash(saved) == r0["buffer"]["state_hash"]
+    assert retired_hash(saved) == r1["buffer"]["retired_hash"]
+    assert trainer_state["replay_active"] and trainer_state["generation_batches"] == 4
+    # resume: rank 0 gets the whole buffer back, rank 1 the retired set only; then training goes on in step
+    a0, a1 = r0["resumed"]["after_load"], r1["resumed"]["after_load"]
+    assert a0["state_hash"] == r0["buffer"]["state_hash"]
+    assert a1["questions"] == 0 and a1["retired_hash"] == r0["buffer"]["retired_hash"]
+    assert a0["exgrpo_state"] == a1["exgrpo_state"] == r0["exgrpo_state"]
+    assert r0["resumed"]["global_step"] == r1["resumed"]["global_step"] == 10
+    assert r1["resumed"]["buffer"]["trajectories"] == 0 < r0["resumed"]["buffer"]["trajectories"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_DEEPSPEED, reason="deepspeed is not installed")
+@pytest.mark.timeout(300)
+def test_negative_control_unpadded_shares_hang_under_zero3(tmp_path):
+    """The harness catches a hang: scoring 2B+1 candidates in unpadded shares (2 forward passes on rank 0, 1 on
+    rank 1) never finishes under ZeRO-3, and the launch is killed at its timeout."""
+    with pytest.raises(LaunchTimeout):
+        launch("zero3_cpu.yaml", tmp_path, "--expect", "zero3", "--uneven", "--break-padding", "--max-steps", "2",
+               "--save-steps", "100", timeout=90)
