@@ -17,6 +17,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.models.utils import disable_gradient_checkpointing
 
 from .buffer import ExperienceBuffer, Trajectory, question_key
+from .card import add_section, exgrpo_card_section
 from .config import ExGRPOConfig
 from .loss import SUPPORTED_LOSS_TYPES, aggregate_token_loss, shaped_replay_token_loss
 from .scoring import masked_mean_per_row, pad_prompt_completion
@@ -128,6 +129,8 @@ class ExGRPOTrainer(GRPOTrainer):
     - `_save_checkpoint` / `_load_optimizer_and_scheduler`: the buffer and ExGRPO's switches are written into
       each checkpoint folder (safetensors + JSON, atomically) before `super()` saves the rest and may push it, and
       restored on every rank on resume.
+    - `create_model_card`: `super()` writes TRL's card (ExGRPO's name, tags and citation come from the class
+      attributes); an ExGRPO section with the main settings and the final buffer is added to it.
     - `_compute_loss`: `super()` computes TRL's loss with the replayed rows' advantages set to 0 (their tokens then
       add nothing but still count in the normaliser); the shaped replayed-token term -f(w) * A is added with the
       same normaliser. During the first pass over a generation batch it also records the behaviour log-probs of
@@ -487,6 +490,19 @@ class ExGRPOTrainer(GRPOTrainer):
             checkpoint = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             save_state(checkpoint, self.experience_buffer, self._exgrpo_trainer_state())
         super()._save_checkpoint(model, trial)
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        path = os.path.join(self.args.output_dir, "README.md")
+        if not self.is_world_process_zero() or not os.path.isfile(path):
+            return
+        section = exgrpo_card_section(
+            self.args, self.experience_buffer, self.state.global_step, self.exgrpo_state["replay_active"]
+        )
+        with open(path, encoding="utf-8") as f:
+            card = f.read()
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(add_section(card, section))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)  # under DeepSpeed it returns early; we still run
