@@ -285,12 +285,11 @@ class ExGRPOTrainer(GRPOTrainer):
         selected_entropies = []
         if scored and cfg.trajectory_selection != "random":
             prompt_ids = self._tokenize_prompts([payload[i][1]["prompt"] for i in scored])[0]
-            flat_prompts, flat_completions, owner = [], [], []
+            flat_prompts, flat_completions = [], []
             for j, i in enumerate(scored):
                 for ids, _ in payload[i][2]:
                     flat_prompts.append(prompt_ids[j])
                     flat_completions.append(ids)
-                    owner.append(i)
             entropies = self._exgrpo_score_entropies(flat_prompts, flat_completions)
             sign = -1.0 if cfg.trajectory_selection == "highest_entropy" else 1.0
             start = 0
