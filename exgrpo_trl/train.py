@@ -7,7 +7,8 @@ The recipe is parsed by TRL's `TrlParser` over (`ScriptArguments`, `ExGRPOConfig
 the YAML must be a field of one of the three (an unknown key is an error), and command-line flags override the
 YAML (``--learning_rate 2e-6``). Training resumes from the last ``checkpoint-*`` in ``output_dir`` when there is
 one; PEFT/LoRA and quantization come from `ModelConfig` (``use_peft: true``, ``lora_r``, ...). At the end the model
-and a model card are saved to ``output_dir`` and pushed to the Hub when ``push_to_hub`` is set.
+(or the LoRA adapter) and a model card are saved to ``output_dir`` and pushed to the Hub when ``push_to_hub`` is set:
+the full model, the adapter alone, or with ``merge_adapter_on_push: true`` the adapter merged into its base model.
 """
 
 from __future__ import annotations
@@ -111,6 +112,13 @@ class ScriptArguments(TrlScriptArguments):
     validation_batch_size: int = field(default=64, metadata={"help": "Validation sequences per generate call."})
     validation_limit: int | None = field(
         default=None, metadata={"help": "Validate on the first N questions of each validation set only."}
+    )
+    merge_adapter_on_push: bool = field(
+        default=False,
+        metadata={
+            "help": "With use_peft and push_to_hub: push the LoRA adapter merged into its base model (a full model "
+            "that loads without peft) instead of the adapter alone. The base is reloaded unquantized for the merge."
+        },
     )
 
 
@@ -219,12 +227,18 @@ def _attach_validation(trainer, script_args: ScriptArguments, training_args: ExG
 
 
 def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args: ModelConfig) -> int:
+    from .hub import is_peft_trainer, push_trained_model
     from .trainer import ExGRPOTrainer  # imported here: parsing recipes does not need the trainer
 
     if not model_args.model_name_or_path:
         raise ValueError("model_name_or_path is required (in the recipe or as --model_name_or_path).")
     if not script_args.dataset_name:
         raise ValueError("dataset_name is required (in the recipe or as --dataset_name).")
+    if script_args.merge_adapter_on_push and not model_args.use_peft:
+        raise ValueError(
+            "merge_adapter_on_push needs a LoRA adapter to merge (use_peft: true); without PEFT the full model is "
+            "pushed as it is."
+        )
     if script_args.dataset_streaming:
         raise ValueError(
             "dataset_streaming is not supported: ExGRPO re-reads questions by index (replay, retirement)."
@@ -289,7 +303,9 @@ def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args:
     trainer.save_metrics("train", metrics)
     trainer.save_state()
 
-    trainer.save_model(training_args.output_dir)
+    # _internal_call: with push_to_hub set, Trainer.save_model would also push (a first commit); the push below is the
+    # only one.
+    trainer.save_model(training_args.output_dir, _internal_call=True)
     logger.info("Model saved to %s", training_args.output_dir)
     card_kwargs = {
         "model_name": (training_args.hub_model_id or Path(training_args.output_dir).name).split("/")[-1],
@@ -298,13 +314,18 @@ def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args:
     }
     if trainer.accelerator.is_main_process:
         trainer.create_model_card(**card_kwargs)
-        # Training ran with use_cache off (gradient checkpointing); generation wants it on.
+        # Training ran with use_cache off (gradient checkpointing); generation wants it on. An adapter folder holds no
+        # config.json (PEFT loads the base model's own).
         trainer.model.config.use_cache = True
-        trainer.model.config.save_pretrained(training_args.output_dir)
+        if not is_peft_trainer(trainer):
+            trainer.model.config.save_pretrained(training_args.output_dir)
 
     if training_args.push_to_hub:
-        logger.info("Pushing to the Hub")
-        trainer.push_to_hub(**card_kwargs)
+        what = "the full model"
+        if model_args.use_peft:
+            what = "the LoRA adapter merged into its base" if script_args.merge_adapter_on_push else "the LoRA adapter"
+        logger.info("Pushing %s to the Hub", what)
+        push_trained_model(trainer, merge_adapter=script_args.merge_adapter_on_push, **card_kwargs)
     return 0
 
 

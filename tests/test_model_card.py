@@ -1,0 +1,157 @@
+"""The model card `ExGRPOTrainer` writes (`output_dir/README.md`): ExGRPO named, the paper cited (title, arXiv id,
+BibTeX), the tags trl / grpo / exgrpo in the YAML header, the main training values, and the experience buffer at the
+end of training, equal to the trainer's own."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from huggingface_hub import ModelCard
+
+from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
+from exgrpo_trl.buffer import ExperienceBuffer
+from exgrpo_trl.card import SECTION_TITLE, add_section, exgrpo_card_section
+
+from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
+
+TITLE = "ExGRPO: Learning to Reason from Experience"
+BUFFER_LINE = re.compile(
+    r"Experience buffer at the end of training: (\d+) questions, (\d+) trajectories, (\d+) retired questions "
+    r"\(replay (active|not started)\)\."
+)
+# Values away from the defaults, so that each one is known to come from this run's config.
+SETTINGS = dict(
+    replay_ratio=0.25,
+    policy_shaping_gamma=0.2,
+    replay_start_pass_rate=0.2,
+    num_generations=4,
+    per_device_train_batch_size=16,  # 4 questions x K = 4
+    trajectory_selection="random",
+    loss_type="bnpo",
+    learning_rate=3e-4,
+    max_steps=3,
+)
+
+
+@pytest.fixture(scope="module")
+def card_run(tmp_path_factory, tokenizer):
+    out = tmp_path_factory.mktemp("card")
+    trainer = ExGRPOTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=make_reward(tokenizer),
+        args=ExGRPOConfig(**config_kwargs(out, **SETTINGS)),
+        # every 4th question is always solved: groups at K/K retire, so the retired count is not trivially 0
+        train_dataset=synthetic_dataset(always_every=4),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    trainer.create_model_card(model_name="tiny-exgrpo", dataset_name="toy/addition", tags=["math"])
+    return trainer, (out / "out" / "README.md").read_text()
+
+
+def test_card_names_exgrpo_and_cites_the_paper(card_run):
+    _, text = card_run
+    assert f"This model was trained with ExGRPO, a method introduced in [{TITLE}]" in text
+    assert "(https://huggingface.co/papers/2510.02245)" in text
+    bibtex = text[text.index("@article{zhan2025exgrpo,") :]
+    assert f"title        = {{{{{TITLE}}}}}" in bibtex.split("\n}")[0]
+    assert "eprint       = {arXiv:2510.02245}" in bibtex.split("\n}")[0]
+    assert "[arXiv 2510.02245](https://arxiv.org/abs/2510.02245)" in text  # in the ExGRPO section
+
+
+def test_card_tags_in_yaml_header(card_run):
+    _, text = card_run
+    assert text.startswith("---\n")
+    data = ModelCard(text).data
+    assert {"trl", "grpo", "exgrpo", "math"} <= set(data.tags)
+    assert data.datasets == "toy/addition" or data.datasets == ["toy/addition"]
+
+
+def test_card_training_values(card_run):
+    trainer, text = card_run
+    assert trainer.state.global_step == 3
+    section = text[text.index(SECTION_TITLE) :]
+    section = section[: section.index("\n## ", 1)] if "\n## " in section[1:] else section
+    rows = dict(re.findall(r"^\| ([^|]+?) \| ([^|]+?) \|$", section, flags=re.M))
+    assert rows == {
+        "setting": "value",
+        "replay ratio (rho)": "0.25",
+        "policy shaping gamma": "0.2",
+        "delayed start (batch Pass@1 >)": "0.2",
+        "rollouts per question (K)": "4",
+        "question selection": "gaussian (mu 0.5, sigma 1.0)",
+        "trajectory selection": "random",
+        "importance correction": "True",
+        "loss type": "bnpo",
+        "learning rate": "0.0003",
+        "optimizer steps": "3",
+    }
+
+
+def test_card_buffer_summary_is_the_trainers(card_run):
+    trainer, text = card_run
+    buffer = trainer.experience_buffer
+    (match,) = BUFFER_LINE.findall(text)
+    questions, trajectories, retired, replay = match
+    assert (int(questions), int(trajectories), int(retired)) == (
+        buffer.num_questions,
+        buffer.num_trajectories,
+        len(buffer.retired),
+    )
+    # a run where each number means something: replay switched on, and the buffer collected and retired questions
+    assert replay == "active" and trainer.exgrpo_state["replay_active"]
+    assert buffer.num_questions > 0 and buffer.num_trajectories >= buffer.num_questions and len(buffer.retired) > 0
+
+
+def test_card_section_sits_before_citations_once(card_run):
+    trainer, text = card_run
+    assert text.count(SECTION_TITLE) == 1
+    assert text.index(SECTION_TITLE) < text.index("## Citations")
+    # writing the card again replaces the section instead of adding a second one
+    trainer.create_model_card(model_name="tiny-exgrpo")
+    assert (Path(trainer.args.output_dir) / "README.md").read_text().count(SECTION_TITLE) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The section on its own (exgrpo_trl.card)
+# ---------------------------------------------------------------------------------------------------------------
+def _args(**overrides):
+    values = dict(
+        replay_ratio=0.5, policy_shaping_gamma=0.1, replay_start_pass_rate=0.35, num_generations=8,
+        question_selection="gaussian", replay_mu=0.5, replay_sigma=1.0, trajectory_selection="lowest_entropy",
+        replay_importance_correction=True, loss_type="dr_grpo", learning_rate=1e-6,
+    )  # fmt: skip
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def test_section_ablation_values_and_buffer_counts():
+    import numpy as np
+
+    from exgrpo_trl.buffer import Trajectory
+
+    buffer = ExperienceBuffer(4)
+    traj = lambda ids: Trajectory(np.array(ids, dtype=np.int32), np.zeros(len(ids), dtype=np.float16), 0)  # noqa: E731
+    buffer.update_group("a", 2, {"prompt": "a"}, [traj([5, 1]), traj([6, 1])])
+    buffer.update_group("b", 1, {"prompt": "b"}, [traj([7, 1])])
+    buffer.update_group("c", 4, None, [])  # K/K: retired
+    section = exgrpo_card_section(_args(policy_shaping_gamma=None, replay_start_pass_rate=None), buffer, 12, True)
+    assert "| policy shaping gamma | none (plain importance ratio) |" in section
+    assert "| delayed start (batch Pass@1 >) | off (replay from the first step) |" in section
+    assert "| optimizer steps | 12 |" in section
+    assert BUFFER_LINE.findall(section) == [("2", "3", "1", "active")]
+    assert BUFFER_LINE.findall(exgrpo_card_section(_args(), ExperienceBuffer(4), 0, False)) == [
+        ("0", "0", "0", "not started")
+    ]
+
+
+def test_add_section_inserts_before_citations_and_replaces():
+    card = "---\ntags: [trl]\n---\n\n# Card\n\ntext\n\n## Citations\n\ncite\n"
+    first = add_section(card, f"{SECTION_TITLE}\n\nold\n")
+    assert first == "---\ntags: [trl]\n---\n\n# Card\n\ntext\n\n" + f"{SECTION_TITLE}\n\nold\n\n## Citations\n\ncite\n"
+    second = add_section(first, f"{SECTION_TITLE}\n\nnew\n")
+    assert second.count(SECTION_TITLE) == 1 and "old" not in second and "new\n\n## Citations" in second
+    assert add_section("# Card\n\nno citations\n", "S\n") == "# Card\n\nno citations\n\nS\n"
