@@ -50,16 +50,28 @@ class TimedExGRPOTrainer(ExGRPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.timings: dict[str, float] = defaultdict(float)
+        self.extra_per_step: list[float] = []  # ExGRPO's own seconds in each optimizer step (nested calls once)
+        self._depth = 0
         for label, name in TIMED.items():
             setattr(self, name, self._timed(label, getattr(self, name)))
+
+    def training_step(self, *args, **kwargs):
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            self.extra_per_step.append(0.0)
+        return super().training_step(*args, **kwargs)
 
     def _timed(self, label, method):
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
+            self._depth += 1
             try:
                 return method(*args, **kwargs)
             finally:
-                self.timings[label] += time.perf_counter() - start
+                self._depth -= 1
+                elapsed = time.perf_counter() - start
+                self.timings[label] += elapsed
+                if self._depth == 0 and self.extra_per_step:
+                    self.extra_per_step[-1] += elapsed
 
         return wrapper
 
@@ -180,12 +192,18 @@ def main(argv=None) -> int:
           f"(mean {np.mean(candidates):.1f} candidates per question)")
 
     measured = {"grpo": [], "exgrpo": []}
+    fractions = []  # per ExGRPO step: its own extra time / the rest of that same step (robust to load drift)
     for block in range(args.blocks):
         for name, trainer in (("grpo", grpo), ("exgrpo", ex)):
             trainer.args.max_steps = args.steps_per_block
             trainer.state.log_history = []
+            if name == "exgrpo":
+                trainer.extra_per_step = []
             trainer.train()
             measured[name] += step_times(trainer)[1:]  # the block's first step pays one-off costs
+            if name == "exgrpo":
+                steps = step_times(trainer)
+                fractions += [x / (t - x) for t, x in zip(steps[1:], trainer.extra_per_step[1:])]
         print(f"block {block + 1}/{args.blocks}: GRPO {statistics.median(measured['grpo']):.3f} s/step, "
               f"ExGRPO {statistics.median(measured['exgrpo']):.3f} s/step", flush=True)
 
@@ -194,6 +212,8 @@ def main(argv=None) -> int:
     print()
     print(f"median step time: GRPOTrainer {g:.4f} s, ExGRPOTrainer {e:.4f} s, ratio {e / g:.3f} "
           f"({len(measured['grpo'])} + {len(measured['exgrpo'])} steps)")
+    print(f"ExGRPO's own time / the rest of the same step: median {statistics.median(fractions):.3f} "
+          f"(quartiles {np.percentile(fractions, 25):.3f}-{np.percentile(fractions, 75):.3f})")
     print("ExGRPO's own time per step (all steps of all blocks):")
     per_step = {label: seconds / total_ex_steps for label, seconds in ex.timings.items()}
     for label in TIMED:
@@ -203,7 +223,8 @@ def main(argv=None) -> int:
           f"{len(buffer.retired)} retired")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"grpo_median_s": g, "exgrpo_median_s": e, "ratio": e / g, "per_step_ms":
+            json.dump({"grpo_median_s": g, "exgrpo_median_s": e, "ratio": e / g,
+                       "median_extra_fraction": statistics.median(fractions), "per_step_ms":
                        {k: 1000 * v for k, v in per_step.items()}, "args": vars(args)}, f, indent=2)
     return 0
 

@@ -26,6 +26,7 @@ from .state import has_state, load_state, save_state
 logger = logging.get_logger(__name__)
 
 METRIC_PREFIX = "exgrpo/"
+SCORING_CHUNK_ROWS = 16  # rows per entropy-scoring forward pass (see `_exgrpo_mean_entropies`)
 REPLAYED_COLUMN = "exgrpo_replayed"  # column of the completions table marking replayed rows
 
 
@@ -330,19 +331,31 @@ class ExGRPOTrainer(GRPOTrainer):
 
     @torch.no_grad()
     def _exgrpo_mean_entropies(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> torch.Tensor:
-        input_ids, attention_mask, completion_mask = pad_prompt_completion(
-            prompt_ids, completion_ids, self._tokenizer.pad_token_id, device=self.accelerator.device
-        )
+        """Mean completion entropy of each row, in forward passes over rows of similar length.
+
+        Rows are sorted by length and cut into chunks of at most `per_device_train_batch_size` and at most
+        SCORING_CHUNK_ROWS rows, each padded only to its own longest row: stored trajectories vary a lot in length,
+        and padding every row to the longest one roughly doubled the scoring cost. The number of chunks depends only
+        on the number of rows, which is the same on every rank.
+        """
+        n = len(completion_ids)
+        lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
+        order = sorted(range(n), key=lengths.__getitem__)
+        chunk_rows = max(1, min(self.args.per_device_train_batch_size, SCORING_CHUNK_ROWS))
+        means = torch.empty(n, dtype=torch.float32)
         with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            _, entropies, _ = self._get_per_token_logps_and_entropies(
-                self.model,
-                input_ids,
-                attention_mask,
-                completion_mask.size(1),
-                batch_size=self.args.per_device_train_batch_size,
-                compute_entropy=True,
-            )
-        return masked_mean_per_row(entropies.float(), completion_mask)  # (N,)
+            for start in range(0, n, chunk_rows):
+                rows = order[start : start + chunk_rows]
+                input_ids, attention_mask, completion_mask = pad_prompt_completion(
+                    [prompt_ids[i] for i in rows], [completion_ids[i] for i in rows], self._tokenizer.pad_token_id,
+                    device=self.accelerator.device,
+                )
+                _, entropies, _ = self._get_per_token_logps_and_entropies(
+                    self.model, input_ids, attention_mask, completion_mask.size(1), batch_size=len(rows),
+                    compute_entropy=True,
+                )
+                means[rows] = masked_mean_per_row(entropies.float(), completion_mask).cpu()  # (chunk,)
+        return means.to(self.accelerator.device)
 
     def _exgrpo_apply_plan(self, inputs: list[dict], plan: _ReplayPlan | None) -> tuple[list[dict], list[int]]:
         """Give the K rows of each replayed group to its stored question and reserve the group's first row for the
