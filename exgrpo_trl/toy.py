@@ -1,0 +1,557 @@
+"""A toy verifiable task that runs on a laptop CPU: integer addition, a tiny Qwen2 model and a char tokenizer.
+
+Everything here is built locally (no downloads):
+
+- `build_char_tokenizer`: a character-level tokenizer over ``0-9 + =`` and four specials.
+- `build_tiny_model`: a ~1M-parameter Qwen2-shaped causal LM (float32, tied embeddings, head size 64).
+- `addition_dataset` / `addition_splits`: "37+48=" -> "85", difficulty = number of digits of the operands.
+- `addition_reward`: the binary verifier (exact match of the stripped completion), TRL reward-function shaped.
+- `warm_start` / `load_or_train_warm_start`: a short supervised phase to a moderate pass rate, cached on disk.
+- `evaluate_pass_at_1`: sampled pass@1 per question and by difficulty.
+
+Command line: ``python -m exgrpo_trl.toy --out DIR [--warm-start-steps N]`` writes a model folder (model +
+tokenizer, loadable with ``AutoModelForCausalLM`` and ``PreTrainedTokenizerFast``) and ``train.jsonl`` /
+``eval.jsonl`` in DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tqdm.auto import tqdm
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+__all__ = [
+    "SPECIAL_TOKENS",
+    "ALPHABET",
+    "build_char_tokenizer",
+    "load_char_tokenizer",
+    "build_tiny_model",
+    "build_tiny_model_dir",
+    "addition_dataset",
+    "addition_splits",
+    "addition_reward",
+    "warm_start",
+    "load_or_train_warm_start",
+    "warm_start_is_cached",
+    "evaluate_pass_at_1",
+]
+
+PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
+SPECIAL_TOKENS = (PAD, EOS, BOS, UNK)
+ALPHABET = tuple("0123456789+=")
+# Bump when anything that changes a warm-started checkpoint changes (cache key).
+_WARM_START_FORMAT = 2
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------------------------------
+def build_char_tokenizer(save_dir: str | os.PathLike | None = None) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: one token per character of ``0-9 + =``, plus ``<pad> <eos> <bos> <unk>``.
+
+    Ids: specials 0-3 in that order, then the alphabet. No special token is added on encode; left padding.
+    The `Fuse` decoder makes ``batch_decode`` join characters without spaces (exact-match rewards need it).
+    """
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ALPHABET)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        eos_token=EOS,
+        bos_token=BOS,
+        unk_token=UNK,
+        padding_side="left",
+        truncation_side="left",
+        clean_up_tokenization_spaces=False,
+        model_max_length=64,
+    )
+    if save_dir is not None:
+        tokenizer.save_pretrained(str(save_dir))
+    return tokenizer
+
+
+def load_char_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
+    """Reload a tokenizer saved by `build_char_tokenizer`.
+
+    Deliberately not `AutoTokenizer`: on a folder whose config says ``qwen2`` it returns Qwen's byte-level
+    tokenizer instead of this one.
+    """
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------------------------
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 2,
+    intermediate_size: int = 512,
+    seed: int = 0,
+) -> Qwen2ForCausalLM:
+    """A randomly initialised Qwen2 causal LM, float32, tied embeddings, about 1.05M parameters by default.
+
+    Deterministic from `seed`; the caller's global torch RNG is left untouched.
+    """
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size ({hidden_size}) must be divisible by num_heads ({num_heads}).")
+    ids = {
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+    }
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        attention_dropout=0.0,
+        **ids,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.config.dtype = torch.float32
+    model.generation_config = GenerationConfig(**ids)
+    return model
+
+
+def build_tiny_model_dir(out_dir: str | os.PathLike, **kwargs) -> str:
+    """Build the char tokenizer and a tiny model (`build_tiny_model` kwargs) and save both into `out_dir`."""
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, **kwargs)
+    out_dir = str(out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Task
+# --------------------------------------------------------------------------------------------------------------
+def _operand_range(digits: int) -> tuple[int, int]:
+    """Inclusive range of non-negative integers written with exactly `digits` digits (0-9 for one digit)."""
+    if digits < 1:
+        raise ValueError(f"digits must be >= 1, got {digits}")
+    return (0 if digits == 1 else 10 ** (digits - 1)), 10**digits - 1
+
+
+def _digits_of_prompt(prompt: str) -> int | None:
+    """The digit class of a prompt "a+b=", or None if it is not one (operands of different lengths, ...)."""
+    if not prompt.endswith("=") or prompt.count("+") != 1:
+        return None
+    a, b = prompt[:-1].split("+")
+    if not (a.isdigit() and b.isdigit()) or len(a) != len(b):
+        return None
+    if len(a) > 1 and (a[0] == "0" or b[0] == "0"):
+        return None
+    return len(a)
+
+
+def _random_problem(rng: random.Random, digits: int) -> tuple[str, str]:
+    lo, hi = _operand_range(digits)
+    a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+    return f"{a}+{b}=", str(a + b)
+
+
+def addition_dataset(
+    n: int,
+    *,
+    min_digits: int = 1,
+    max_digits: int = 4,
+    seed: int = 0,
+    exclude: Iterable[str] | None = None,
+) -> Dataset:
+    """`n` unique addition questions: columns ``prompt`` ("37+48="), ``answer`` ("85"), ``digits`` (difficulty).
+
+    Both operands of a question have the same number of digits, drawn uniformly from [min_digits, max_digits]
+    for each question. Prompts in `exclude` are left out. A digit class whose questions are used up (there are
+    only 100 one-digit questions) is dropped from the draw, and the remaining draws go to the other classes.
+    """
+    if min_digits < 1 or max_digits < min_digits:
+        raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+    rng = random.Random(seed)
+    taken = set(exclude or ())
+    capacity, used = {}, {}
+    for d in range(min_digits, max_digits + 1):
+        lo, hi = _operand_range(d)
+        capacity[d] = (hi - lo + 1) ** 2
+        used[d] = 0
+    for prompt in taken:
+        d = _digits_of_prompt(prompt)
+        if d in used:
+            used[d] += 1
+    if n > sum(capacity[d] - used[d] for d in capacity):
+        raise ValueError(f"cannot draw {n} unique questions with {min_digits}-{max_digits} digits")
+    rows = {"prompt": [], "answer": [], "digits": []}
+    for _ in range(n):
+        open_classes = [d for d in capacity if used[d] < capacity[d]]
+        d = rng.choice(open_classes)
+        while True:  # terminates: class d has at least one free question
+            prompt, answer = _random_problem(rng, d)
+            if prompt not in taken:
+                break
+        taken.add(prompt)
+        used[d] += 1
+        rows["prompt"].append(prompt)
+        rows["answer"].append(answer)
+        rows["digits"].append(d)
+    return Dataset.from_dict(rows)
+
+
+def addition_splits(n_train: int, n_eval: int, *, seed: int = 0, **kwargs) -> tuple[Dataset, Dataset]:
+    """A train set and a held-out eval set with no eval prompt in train (`addition_dataset` kwargs apply)."""
+    eval_set = addition_dataset(n_eval, seed=2 * seed + 1, **kwargs)
+    train_set = addition_dataset(n_train, seed=2 * seed, exclude=set(eval_set["prompt"]), **kwargs)
+    return train_set, eval_set
+
+
+def _completion_text(completion) -> str:
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):  # conversational
+        return str(completion[-1].get("content", ""))
+    return str(completion)
+
+
+def addition_reward(completions, answer, **kwargs) -> list[float]:
+    """Binary verifier: 1.0 when the completion, stripped, equals the answer, else 0.0.
+
+    TRL calls reward functions with every dataset column as a keyword argument; all but ``answer`` are ignored,
+    except that when both ``digits`` and TRL's ``log_metric`` are passed, the accuracy of each difficulty
+    present in the batch is logged as ``accuracy/digits_{d}``.
+    """
+    rewards = [
+        1.0 if _completion_text(c).strip() == str(a).strip() else 0.0 for c, a in zip(completions, answer, strict=True)
+    ]
+    log_metric = kwargs.get("log_metric")
+    digits = kwargs.get("digits")
+    if callable(log_metric) and digits is not None:
+        by_digits = defaultdict(list)
+        for d, r in zip(digits, rewards, strict=True):
+            by_digits[int(d)].append(r)
+        for d in sorted(by_digits):
+            log_metric(f"accuracy/digits_{d}", sum(by_digits[d]) / len(by_digits[d]))
+    return rewards
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Supervised warm start
+# --------------------------------------------------------------------------------------------------------------
+def _encode_chars(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
+    vocab = tokenizer.get_vocab()
+    unk = tokenizer.unk_token_id
+    return [vocab.get(ch, unk) for ch in text]
+
+
+def _supervised_batch(
+    tokenizer: PreTrainedTokenizerFast, rng: random.Random, batch_size: int, min_digits: int, max_digits: int
+) -> dict[str, torch.Tensor]:
+    """Left-padded ``prompt + answer + <eos>`` rows; labels only on answer tokens and <eos> (-100 elsewhere)."""
+    seqs, n_prompt = [], []
+    for _ in range(batch_size):
+        prompt, answer = _random_problem(rng, rng.randint(min_digits, max_digits))
+        p = _encode_chars(tokenizer, prompt)
+        seqs.append(p + _encode_chars(tokenizer, answer) + [tokenizer.eos_token_id])
+        n_prompt.append(len(p))
+    width = max(len(s) for s in seqs)
+    input_ids = torch.full((batch_size, width), tokenizer.pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch_size, width), dtype=torch.long)
+    labels = torch.full((batch_size, width), -100, dtype=torch.long)
+    for i, (s, n) in enumerate(zip(seqs, n_prompt)):
+        start = width - len(s)
+        input_ids[i, start:] = torch.tensor(s)
+        attention_mask[i, start:] = 1
+        labels[i, start + n :] = torch.tensor(s[n:])
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def warm_start(
+    model,
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    steps: int = 1000,
+    batch_size: int = 128,
+    lr: float = 2e-3,
+    warmup: int = 100,
+    seed: int = 0,
+    min_digits: int = 1,
+    max_digits: int = 4,
+    progress: bool = True,
+) -> dict:
+    """Supervised training on freshly generated addition problems (loss on answer tokens and <eos> only).
+
+    AdamW (weight decay 0.01), linear warm-up over `warmup` steps, then cosine decay from `lr` to `lr / 10`;
+    gradient clip 1.0.
+    Problems come from a private `random.Random(seed)`; the global RNGs are not used. Trains `model` in place
+    and returns ``{"losses": [per-step loss], "seconds": float, "steps": int}``.
+    """
+    rng = random.Random(seed)
+    was_training = model.training
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+
+    def lr_factor(step: int) -> float:  # linear warm-up, then cosine decay to 10% of lr
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    device = next(model.parameters()).device
+    losses: list[float] = []
+    start = time.perf_counter()
+    bar = tqdm(range(steps), desc="warm start (supervised)", disable=not progress, unit="step", dynamic_ncols=True)
+    try:
+        for _ in bar:
+            batch = {k: v.to(device) for k, v in _supervised_batch(tokenizer, rng, batch_size, min_digits, max_digits).items()}
+            loss = model(**batch).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            losses.append(loss.item())
+            if len(losses) % 10 == 0:
+                bar.set_postfix(loss=f"{sum(losses[-10:]) / 10:.3f}")
+    finally:
+        bar.close()
+        model.train(was_training)
+    return {"losses": losses, "seconds": time.perf_counter() - start, "steps": steps}
+
+
+def _warm_start_key(settings: dict) -> str:
+    blob = json.dumps(settings, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def _warm_start_entry(
+    cache_dir: Path, *, steps: int, seed: int, batch_size: int, lr: float, warmup: int, **model_kwargs
+) -> tuple[Path, dict]:
+    settings = {
+        "format": _WARM_START_FORMAT,
+        "steps": steps,
+        "seed": seed,
+        "batch_size": batch_size,
+        "lr": lr,
+        "warmup": warmup,
+        "model": dict(sorted(model_kwargs.items())),
+    }
+    return Path(cache_dir) / f"warm-start-{steps}steps-seed{seed}-{_warm_start_key(settings)}", settings
+
+
+def warm_start_is_cached(
+    cache_dir: str | os.PathLike,
+    *,
+    steps: int = 1000,
+    seed: int = 0,
+    batch_size: int = 128,
+    lr: float = 2e-3,
+    warmup: int = 100,
+    **model_kwargs,
+) -> bool:
+    """Whether `load_or_train_warm_start` with the same arguments would load from `cache_dir` (no training)."""
+    entry, _ = _warm_start_entry(
+        Path(cache_dir), steps=steps, seed=seed, batch_size=batch_size, lr=lr, warmup=warmup, **model_kwargs
+    )
+    return (entry / "warm_start.json").is_file()
+
+
+def load_or_train_warm_start(
+    cache_dir: str | os.PathLike,
+    *,
+    steps: int = 1000,
+    seed: int = 0,
+    progress: bool = True,
+    batch_size: int = 128,
+    lr: float = 2e-3,
+    warmup: int = 100,
+    **model_kwargs,
+):
+    """A warm-started (model, tokenizer), trained once and then loaded from `cache_dir`.
+
+    The cache entry is keyed by every setting (steps, seed, optimiser settings, model shape) and written
+    atomically (a temporary folder renamed into place), so an interrupted run never leaves a half-written entry.
+    The entry folder also holds ``warm_start.json`` (settings, final loss, training time); its path is set on
+    the returned model as ``model.warm_start_path``.
+    """
+    cache_dir = Path(cache_dir)
+    entry, settings = _warm_start_entry(
+        cache_dir, steps=steps, seed=seed, batch_size=batch_size, lr=lr, warmup=warmup, **model_kwargs
+    )
+    if (entry / "warm_start.json").is_file():
+        tokenizer = load_char_tokenizer(entry)
+        model = Qwen2ForCausalLM.from_pretrained(str(entry), dtype=torch.float32)
+        model.warm_start_path = str(entry)
+        return model, tokenizer
+
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, seed=seed, **model_kwargs)
+    if steps > 0:
+        info = warm_start(
+            model, tokenizer, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, seed=seed, progress=progress
+        )
+    else:
+        info = {"losses": [], "seconds": 0.0, "steps": 0}
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-warm-start-", dir=cache_dir))
+    try:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        meta = {
+            "settings": settings,
+            "final_loss": (sum(info["losses"][-20:]) / len(info["losses"][-20:])) if info["losses"] else None,
+            "seconds": info["seconds"],
+        }
+        (tmp / "warm_start.json").write_text(json.dumps(meta, indent=2) + "\n")
+        try:
+            os.rename(tmp, entry)
+        except OSError:
+            if not (entry / "warm_start.json").is_file():  # not a concurrent writer that won the race
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    model.warm_start_path = str(entry)
+    return model, tokenizer
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Evaluation
+# --------------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def evaluate_pass_at_1(
+    model,
+    tokenizer: PreTrainedTokenizerFast,
+    dataset,
+    *,
+    samples: int = 8,
+    temperature: float = 1.0,
+    max_new_tokens: int = 8,
+    batch_size: int = 256,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """Sampled pass@1: for each question, the fraction of `samples` sampled completions that are correct.
+
+    `dataset` needs ``prompt`` and ``answer`` columns (and ``digits`` for the per-difficulty split). Returns
+    ``{"overall": mean over questions, "by_digits": {d: mean over questions with d digits},
+    "per_question": [pass rate of each question, in dataset order]}``. Sampling is seeded (global torch RNG
+    forked, so the caller's is untouched); `temperature` 0 means greedy. `batch_size` counts sequences.
+    """
+    prompts = list(dataset["prompt"])
+    answers = [str(a) for a in dataset["answer"]]
+    digits = list(dataset["digits"]) if "digits" in dataset.column_names else None
+    questions_per_batch = max(1, batch_size // samples)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    per_question: list[float] = []
+    padding_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    sample = temperature > 0
+    gen_kwargs = dict(
+        do_sample=sample,
+        max_new_tokens=max_new_tokens,
+        num_return_sequences=samples,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    if sample:
+        gen_kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            starts = range(0, len(prompts), questions_per_batch)
+            for i in tqdm(starts, desc="evaluating pass@1", disable=not progress, unit="batch", dynamic_ncols=True):
+                chunk = prompts[i : i + questions_per_batch]
+                enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+                out = model.generate(**enc, **gen_kwargs)
+                texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+                expected = [a for a in answers[i : i + questions_per_batch] for _ in range(samples)]
+                rewards = addition_reward(texts, expected)
+                for q in range(len(chunk)):
+                    per_question.append(sum(rewards[q * samples : (q + 1) * samples]) / samples)
+    finally:
+        tokenizer.padding_side = padding_side
+        model.train(was_training)
+    by_digits: dict[int, float] = {}
+    if digits is not None:
+        groups = defaultdict(list)
+        for d, p in zip(digits, per_question):
+            groups[int(d)].append(p)
+        by_digits = {d: sum(v) / len(v) for d, v in sorted(groups.items())}
+    overall = sum(per_question) / len(per_question) if per_question else math.nan
+    return {"overall": overall, "by_digits": by_digits, "per_question": per_question}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# python -m exgrpo_trl.toy --out DIR
+# --------------------------------------------------------------------------------------------------------------
+def _write_jsonl(dataset: Dataset, path: Path) -> None:
+    with open(path, "w") as f:
+        for row in dataset:
+            f.write(json.dumps(row) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m exgrpo_trl.toy",
+        description="Write a tiny Qwen2 model + char tokenizer (optionally warm-started) and the toy addition "
+        "task as train.jsonl / eval.jsonl into one folder.",
+    )
+    parser.add_argument("--out", required=True, help="output folder (model, tokenizer, train.jsonl, eval.jsonl)")
+    parser.add_argument("--warm-start-steps", type=int, default=0, help="supervised warm-start steps (0: none)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--n-train", type=int, default=2000)
+    parser.add_argument("--n-eval", type=int, default=200)
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(tokenizer, seed=args.seed)
+    if args.warm_start_steps > 0:
+        info = warm_start(model, tokenizer, steps=args.warm_start_steps, seed=args.seed, progress=not args.no_progress)
+        print(f"warm start: {info['steps']} steps in {info['seconds']:.0f}s, final loss {info['losses'][-1]:.4f}")
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    train, eval_ = addition_splits(args.n_train, args.n_eval, seed=args.seed)
+    _write_jsonl(train, out / "train.jsonl")
+    _write_jsonl(eval_, out / "eval.jsonl")
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"wrote {out}: model ({n_params:,} parameters), tokenizer, train.jsonl ({len(train)}), eval.jsonl ({len(eval_)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
