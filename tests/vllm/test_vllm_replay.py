@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ..conftest import make_reward, synthetic_dataset
+from ..conftest import config_kwargs, make_reward, synthetic_dataset
 from . import cpu_weight_sync
 
 pytestmark = [
@@ -336,29 +336,20 @@ def run_exgrpo(mode: str, work: Path) -> dict:
             cpu_weight_sync.install_colocate_sync(mp)
 
         args = ExGRPOConfig(
-            output_dir=str(work / "out"),
-            use_vllm=True,
-            vllm_mode=mode,
-            vllm_max_model_length=64,
-            per_device_train_batch_size=K * GROUPS,
-            num_generations=K,
-            max_completion_length=8,
-            learning_rate=3e-4,  # every sync really moves the weights, not so fast that all questions retire
-            max_steps=MAX_STEPS,
-            logging_steps=1,
-            report_to=[],
-            use_cpu=True,
-            bf16=False,
-            gradient_checkpointing=False,
-            save_strategy="no",
-            seed=0,
-            loss_type="dr_grpo",
-            scale_rewards="none",
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-            replay_start_pass_rate=0.0,  # replay forced on from the first batch the buffer can serve
-            replay_ratio=0.5,
-            **extra,
+            **config_kwargs(
+                work,
+                use_vllm=True,
+                vllm_mode=mode,
+                vllm_max_model_length=64,
+                per_device_train_batch_size=K * GROUPS,
+                num_generations=K,
+                max_completion_length=8,
+                learning_rate=3e-4,  # every sync really moves the weights, not so fast that all questions retire
+                max_steps=MAX_STEPS,
+                replay_start_pass_rate=0.0,  # replay forced on from the first batch the buffer can serve
+                replay_ratio=0.5,
+                **extra,
+            )
         )
         started = time.monotonic()
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
