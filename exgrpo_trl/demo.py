@@ -32,7 +32,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 DEFAULTS = dict(
     steps=300,
-    warm_start_steps=1000,
+    warm_start_steps=1500,
     warm_start_seed=0,
     data_seed=0,
     train_questions=2000,

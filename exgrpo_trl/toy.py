@@ -313,6 +313,11 @@ def warm_start(
     gradient clip 1.0.
     Problems come from a private `random.Random(seed)`; the global RNGs are not used. Trains `model` in place
     and returns ``{"losses": [per-step loss], "seconds": float, "steps": int}``.
+
+    Measured here (1 CPU thread, ~0.21 s/step; 2 threads on an idle machine ~0.12 s/step), seed 0, held-out
+    sampled pass@1 at T=1.0 by digits: multi-digit sums are learned in a sharp phase transition. With 4 heads of
+    32: 1000 steps .29 (.96/.16/.01/.00), 1200 steps .31 (.99/.24/.01/.00), 1500 steps .76 (.99/.85/.69/.53),
+    2000 steps .87 (1.0/.95/.86/.66). With 2 heads of 64 the plateau lasts longer (2000 steps: .28, 2-digit .10).
     """
     rng = random.Random(seed)
     was_training = model.training

@@ -14,7 +14,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def test_resolve_defaults_quick_and_overrides():
     s = demo._resolve(demo.build_parser().parse_args([]))
-    assert (s["steps"], s["warm_start_steps"], s["eval_questions"], s["eval_samples"]) == (300, 1000, 200, 16)
+    assert (s["steps"], s["warm_start_steps"], s["eval_questions"], s["eval_samples"]) == (300, 1500, 200, 16)
     assert s["out"] == "runs/demo" and s["cache_dir"] == ".cache/exgrpo-demo"
     q = demo._resolve(demo.build_parser().parse_args(["--quick", "--steps", "3", "--seed", "5"]))
     assert (q["steps"], q["warm_start_steps"], q["eval_questions"], q["seed"]) == (3, 5, 8, 5)
