@@ -291,8 +291,7 @@ def _exgrpo_summary(trainer, history: list[dict], num_generations: int) -> dict:
         retired = int(last.get("exgrpo/buffer/retired", 0))
     for k in range(1, num_generations):
         buckets.setdefault(k, 0)
-    _, active = _series(history, "exgrpo/replay/active")
-    active_steps, _ = _series(history, "exgrpo/replay/active")
+    active_steps, active = _series(history, "exgrpo/replay/active")
     start_step = next((s for s, a in zip(active_steps, active) if a > 0), None)
     fraction_steps, fraction = _series(history, "exgrpo/replay/fraction")
     after = [f for s, f in zip(fraction_steps, fraction) if start_step is not None and s > start_step]
@@ -316,7 +315,8 @@ def _table(evals: dict, timings: dict, exgrpo: dict | None, digits: list[int]) -
         label = f"{d} digit" + ("s" if d > 1 else "")
         row = [evals[k]["by_digits"].get(d) if k in evals else None for k, _ in names]
         lines.append(f"{label:<18}" + "".join(f"{_fmt(v):>12}" for v in row))
-    lines.append(f"{'overall':<18}" + "".join(f"{_fmt(evals[k]['overall'] if k in evals else None):>12}" for k, _ in names))
+    overall = [evals[k]["overall"] if k in evals else None for k, _ in names]
+    lines.append(f"{'overall':<18}" + "".join(f"{_fmt(v):>12}" for v in overall))
     train_s = ["", f"{timings.get('grpo_train_s', 0):.0f}s", f"{timings.get('exgrpo_train_s', 0):.0f}s"]
     lines.append(f"{'training time':<18}" + "".join(f"{t:>12}" for t in train_s))
     if exgrpo is not None:
@@ -388,7 +388,11 @@ def _figure(path: Path, results: dict, smoothing: int) -> None:
     ax.set_xticks(ks, [f"{k}/{k_total}" for k in ks])
     if not any(buckets.values()):
         ax.text(0.5, 0.5, "buffer empty", ha="center", va="center", transform=ax.transAxes, fontsize=11)
-    ax.set(title="ExGRPO buffer at the end: questions per bucket", xlabel="successes in the latest group", ylabel="questions")
+    ax.set(
+        title="ExGRPO buffer at the end: questions per bucket",
+        xlabel="successes in the latest group",
+        ylabel="questions",
+    )
     ax.set_ylim(bottom=0)
 
     ax = axes[1, 1]
@@ -536,7 +540,11 @@ def _run(settings: dict, progress: bool, out: Path) -> int:
         "timings": timings,
         "pass_at_1": {k: {"overall": e["overall"], "by_digits": {str(d): v for d, v in e["by_digits"].items()}}
                       for k, e in evals.items()},
-        "per_question_pass_rate": {"prompt": list(eval_set["prompt"]), "digits": list(eval_set["digits"]), **per_question},
+        "per_question_pass_rate": {
+            "prompt": list(eval_set["prompt"]),
+            "digits": list(eval_set["digits"]),
+            **per_question,
+        },
         "exgrpo": {**exgrpo, "bucket_counts": {str(k): v for k, v in exgrpo["bucket_counts"].items()}},
         "curves": curves,
         "figure": "figure.png",

@@ -337,7 +337,8 @@ def warm_start(
     bar = tqdm(range(steps), desc="warm start (supervised)", disable=not progress, unit="step", dynamic_ncols=True)
     try:
         for _ in bar:
-            batch = {k: v.to(device) for k, v in _supervised_batch(tokenizer, rng, batch_size, min_digits, max_digits).items()}
+            batch = _supervised_batch(tokenizer, rng, batch_size, min_digits, max_digits)
+            batch = {k: v.to(device) for k, v in batch.items()}
             loss = model(**batch).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -535,6 +536,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", required=True, help="output folder (model, tokenizer, train.jsonl, eval.jsonl)")
     parser.add_argument("--warm-start-steps", type=int, default=0, help="supervised warm-start steps (0: none)")
+    parser.add_argument(
+        "--num-heads", type=int, default=2, help="attention heads (hidden 128: 2 heads of 64, 4 of 32)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--n-train", type=int, default=2000)
     parser.add_argument("--n-eval", type=int, default=200)
@@ -544,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, seed=args.seed)
+    model = build_tiny_model(tokenizer, num_heads=args.num_heads, seed=args.seed)
     if args.warm_start_steps > 0:
         info = warm_start(model, tokenizer, steps=args.warm_start_steps, seed=args.seed, progress=not args.no_progress)
         print(f"warm start: {info['steps']} steps in {info['seconds']:.0f}s, final loss {info['losses'][-1]:.4f}")
@@ -554,7 +558,10 @@ def main(argv: list[str] | None = None) -> int:
     _write_jsonl(train, out / "train.jsonl")
     _write_jsonl(eval_, out / "eval.jsonl")
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"wrote {out}: model ({n_params:,} parameters), tokenizer, train.jsonl ({len(train)}), eval.jsonl ({len(eval_)})")
+    print(
+        f"wrote {out}: model ({n_params:,} parameters), tokenizer, "
+        f"train.jsonl ({len(train)}), eval.jsonl ({len(eval_)})"
+    )
     return 0
 
 

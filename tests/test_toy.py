@@ -29,6 +29,16 @@ def tokenizer():
     return build_char_tokenizer()
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models gain little from threads, and a multi-threaded step is many times slower whenever another
+    # process is busy on the machine.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # ---------------------------------------------------------------- tokenizer
 def test_tokenizer_vocab_and_specials(tokenizer):
     assert len(tokenizer) == 16
