@@ -181,7 +181,7 @@ def _progress_callback(desc: str, enabled: bool):
     return _Bar()
 
 
-def _series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
+def series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
     steps, values = [], []
     for entry in history:
         if key in entry and "step" in entry:
@@ -190,7 +190,7 @@ def _series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
     return steps, values
 
 
-def _moving_average(values: list[float], window: int) -> list[float]:
+def moving_average(values: list[float], window: int) -> list[float]:
     out, acc = [], 0.0
     for i, v in enumerate(values):
         acc += v
@@ -291,9 +291,9 @@ def _exgrpo_summary(trainer, history: list[dict], num_generations: int) -> dict:
         retired = int(last.get("exgrpo/buffer/retired", 0))
     for k in range(1, num_generations):
         buckets.setdefault(k, 0)
-    active_steps, active = _series(history, "exgrpo/replay/active")
+    active_steps, active = series(history, "exgrpo/replay/active")
     start_step = next((s for s, a in zip(active_steps, active) if a > 0), None)
-    fraction_steps, fraction = _series(history, "exgrpo/replay/fraction")
+    fraction_steps, fraction = series(history, "exgrpo/replay/fraction")
     after = [f for s, f in zip(fraction_steps, fraction) if start_step is not None and s > start_step]
     return {
         "buffer_questions": questions,
@@ -348,7 +348,7 @@ def _figure(path: Path, results: dict, smoothing: int) -> None:
         c = curves.get(kind, {})
         if c.get("step"):
             ax.plot(c["step"], c["reward"], color=color, alpha=0.2, lw=0.8)
-            ax.plot(c["step"], _moving_average(c["reward"], smoothing), color=color, lw=2, label=label)
+            ax.plot(c["step"], moving_average(c["reward"], smoothing), color=color, lw=2, label=label)
     threshold = (results.get("settings", {}).get("exgrpo_settings") or {}).get("replay_start_pass_rate")
     if threshold:
         ax.axhline(threshold, color="k", ls=":", lw=1, label=f"ExGRPO delayed-start threshold ({threshold:g})")
@@ -493,17 +493,17 @@ def _run(settings: dict, progress: bool, out: Path) -> int:
     exgrpo = _exgrpo_summary(runs["exgrpo"]["trainer"], runs["exgrpo"]["history"], settings["num_generations"])
     curves = {}
     for kind, run in runs.items():
-        steps, reward = _series(run["history"], "reward")
-        _, zero_std = _series(run["history"], "frac_reward_zero_std")
+        steps, reward = series(run["history"], "reward")
+        _, zero_std = series(run["history"], "frac_reward_zero_std")
         curves[kind] = {"step": steps, "reward": reward, "frac_reward_zero_std": zero_std}
     hist = runs["exgrpo"]["history"]
-    b_steps, b_questions = _series(hist, "exgrpo/buffer/questions")
+    b_steps, b_questions = series(hist, "exgrpo/buffer/questions")
     curves["exgrpo"].update(
         buffer_step=b_steps,
         buffer_questions=b_questions,
-        buffer_trajectories=_series(hist, "exgrpo/buffer/trajectories")[1],
-        retired=_series(hist, "exgrpo/buffer/retired")[1],
-        replay_fraction=_series(hist, "exgrpo/replay/fraction")[1],
+        buffer_trajectories=series(hist, "exgrpo/buffer/trajectories")[1],
+        retired=series(hist, "exgrpo/buffer/retired")[1],
+        replay_fraction=series(hist, "exgrpo/replay/fraction")[1],
     )
     timings["total_s"] = time.perf_counter() - t_total
     digits = sorted({d for e in evals.values() for d in e["by_digits"]})

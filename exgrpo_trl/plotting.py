@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .demo import _moving_average as moving_average
-from .demo import _series as series
+from .demo import moving_average
+from .demo import series
 
 __all__ = ["moving_average", "plot_training", "series"]
 

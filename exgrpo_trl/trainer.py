@@ -194,7 +194,6 @@ class ExGRPOTrainer(GRPOTrainer):
         )
         # Training state beside the buffer (persisted with checkpoints).
         self.exgrpo_state = {"replay_active": not cfg.replay_start_pass_rate, "generation_batches": 0}
-        self._exgrpo_plan: _ReplayPlan | None = None
         self._exgrpo_splice: dict[int, list[int]] | None = None  # local row -> stored completion ids
         self._exgrpo_rewards: torch.Tensor | None = None  # (N_global, F) of the last training batch
         self._exgrpo_completion_ids: list[list[int]] | None = None  # local completions after splicing
@@ -342,7 +341,7 @@ class ExGRPOTrainer(GRPOTrainer):
         lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
         order = sorted(range(n), key=lengths.__getitem__)
         chunk_rows = max(1, min(self.args.per_device_train_batch_size, SCORING_CHUNK_ROWS))
-        means = torch.empty(n, dtype=torch.float32)
+        means = torch.empty(n, dtype=torch.float32, device=self.accelerator.device)  # stays on the device
         with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             for start in range(0, n, chunk_rows):
                 rows = order[start : start + chunk_rows]
@@ -354,8 +353,8 @@ class ExGRPOTrainer(GRPOTrainer):
                     self.model, input_ids, attention_mask, completion_mask.size(1), batch_size=len(rows),
                     compute_entropy=True,
                 )
-                means[rows] = masked_mean_per_row(entropies.float(), completion_mask).cpu()  # (chunk,)
-        return means.to(self.accelerator.device)
+                means[torch.tensor(rows, device=means.device)] = masked_mean_per_row(entropies.float(), completion_mask)
+        return means
 
     def _exgrpo_apply_plan(self, inputs: list[dict], plan: _ReplayPlan | None) -> tuple[list[dict], list[int]]:
         """Give the K rows of each replayed group to its stored question and reserve the group's first row for the

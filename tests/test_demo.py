@@ -31,7 +31,7 @@ def test_cli_dispatches_demo(capsys):
 
 
 def test_moving_average():
-    assert demo._moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert demo.moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
 
 
 @pytest.fixture(scope="module")
