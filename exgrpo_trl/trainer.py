@@ -216,14 +216,26 @@ class ExGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------------------------------ generation
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        completion_ids, logprobs = super()._generate_single_turn(
-            prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-        )
-        if self._exgrpo_splice:
+        splice = self._exgrpo_splice or {}
+        skipped = self._exgrpo_rows_not_generated(prompt_ids, images, multimodal_fields)
+        if skipped:  # the stored trajectory takes these rows: do not sample a completion only to discard it
+            kept = [i for i in range(len(prompt_ids)) if i not in skipped]
+            completion_ids, logprobs = super()._generate_single_turn(
+                [prompt_ids[i] for i in kept], images, multimodal_fields, num_generations, has_tool_images
+            )
+            full_ids, full_logprobs = [None] * len(prompt_ids), [None] * len(prompt_ids)
+            for i, ids, lps in zip(kept, completion_ids, logprobs if logprobs is not None else [None] * len(kept)):
+                full_ids[i], full_logprobs[i] = ids, lps
+            completion_ids, logprobs = full_ids, (full_logprobs if logprobs is not None else None)
+        else:
+            completion_ids, logprobs = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        if splice:
             completion_ids = list(completion_ids)
             if logprobs is not None:
                 logprobs = list(logprobs)
-            for row, ids in self._exgrpo_splice.items():
+            for row, ids in splice.items():
                 completion_ids[row] = list(ids)
                 if logprobs is not None:
                     # None becomes NaN in TRL, and NaN an importance ratio of exactly 1: vLLM's sampling
@@ -232,6 +244,22 @@ class ExGRPOTrainer(GRPOTrainer):
         if self.model.training:
             self._exgrpo_completion_ids = [list(ids) for ids in completion_ids]
         return completion_ids, logprobs
+
+    def _exgrpo_rows_not_generated(self, prompt_ids, images, multimodal_fields) -> set[int]:
+        """Local rows whose completion is a spliced stored trajectory and can be left out of generation.
+
+        Generation backends that take one prompt per row and run no collective tied to the row count can skip them:
+        `generate` (under ZeRO-3 it syncs decoding steps, not rows), continuous batching, and colocated vLLM without
+        tensor parallelism. vLLM server mode asks the server for exactly K completions of each distinct prompt, and
+        colocated tensor parallelism slices equal shares per rank, so there every row is generated and the spliced
+        ones discarded. A rank never drops all of its rows.
+        """
+        splice = self._exgrpo_splice
+        if not splice or images is not None or multimodal_fields or len(splice) >= len(prompt_ids):
+            return set()
+        if self.use_vllm and (self.vllm_mode != "colocate" or self.vllm_tensor_parallel_size > 1):
+            return set()
+        return set(splice)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)

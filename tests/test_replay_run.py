@@ -177,3 +177,42 @@ def test_selection_ablations_run(tmp_path, tokenizer, selection):
     trainer = run(tmp_path, tokenizer, max_steps=3, trajectory_selection=selection, question_selection="uniform",
                   policy_shaping_gamma=None, replay_importance_correction=False)
     assert any(b["plan"] is not None for b in trainer.batches)
+
+
+@pytest.mark.parametrize(
+    "backend, generated",
+    [
+        ({}, [1, 2]),  # transformers `generate`: the two spliced rows are left out
+        ({"use_vllm": True, "vllm_mode": "colocate", "vllm_tensor_parallel_size": 1}, [1, 2]),
+        ({"use_vllm": True, "vllm_mode": "colocate", "vllm_tensor_parallel_size": 2}, [0, 1, 2, 3]),  # equal shares
+        ({"use_vllm": True, "vllm_mode": "server"}, [0, 1, 2, 3]),  # the server makes K per distinct prompt
+    ],
+)
+def test_spliced_rows_are_not_generated(tmp_path, tokenizer, monkeypatch, backend, generated):
+    from trl import GRPOTrainer
+
+    trainer = ExGRPOTrainer(model=make_model(tokenizer), reward_funcs=make_reward(tokenizer),
+                            args=ExGRPOConfig(**config_kwargs(tmp_path)), train_dataset=synthetic_dataset(),
+                            processing_class=tokenizer)
+    seen = []
+
+    def fake_generate(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        seen.append([p[0] for p in prompt_ids])
+        # completion of a row = [its prompt's marker, 2]; vLLM-style log-probs [-marker / 10, -0.2]
+        return [[p[0], 2] for p in prompt_ids], [[-p[0] / 10, -0.2] for p in prompt_ids]
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", fake_generate)
+    for name, value in backend.items():
+        setattr(trainer, name, value)
+    prompts = [[10], [11], [12], [13]]  # one marker token per row
+    trainer._exgrpo_splice = {0: [7, 7, 7], 3: [8]}
+    ids, logprobs = trainer._generate_single_turn(prompts, None, {}, 8)
+    assert seen == [[10 + i for i in generated]]
+    assert ids == [[7, 7, 7], [11, 2], [12, 2], [8]]
+    assert logprobs == [[None] * 3, [-1.1, -0.2], [-1.2, -0.2], [None]]
+
+    # a rank whose rows are all spliced still generates (ZeRO-3's synced decoding needs every rank in `generate`)
+    seen.clear()
+    trainer._exgrpo_splice = {0: [7], 1: [7], 2: [7], 3: [7]}
+    trainer._generate_single_turn(prompts, None, {}, 8)
+    assert seen == [[10, 11, 12, 13]]
