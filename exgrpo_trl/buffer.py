@@ -231,11 +231,15 @@ class ExperienceBuffer:
     def state_meta(self) -> dict[str, Any]:
         """The JSON-able part of the state: the config, the sampler's random generator state, the questions (key,
         bucket, dataset row, number of trajectories) and the retired set."""
+        # A question moves to the end of its bucket whenever its bucket is set, and sampling draws by position in the
+        # bucket: the positions are state too, or a resumed run would draw different questions.
+        position = {key: i for members in self._buckets.values() for i, key in enumerate(members)}
         return {
             "config": self.config_dict(),
             "rng_state": self.rng.bit_generator.state,
             "questions": [
-                {"key": key, "k": e.k, "num_trajectories": len(e.trajectories), "row": e.row}
+                {"key": key, "k": e.k, "num_trajectories": len(e.trajectories), "bucket_position": position[key],
+                 "row": e.row}
                 for key, e in self.questions.items()
             ],
             "retired": sorted(self.retired),
@@ -297,8 +301,12 @@ class ExperienceBuffer:
         t = 0
         for q, n in zip(meta["questions"], counts):
             self.questions[q["key"]] = QuestionEntry(row=q["row"], k=q["k"], trajectories=list(trajectories[t : t + n]))
-            self._buckets[q["k"]][q["key"]] = None
             t += n
+        # bucket members in their saved order (states written before positions were saved: buffer order)
+        in_order = sorted(range(len(counts)), key=lambda i: meta["questions"][i].get("bucket_position", i))
+        for i in in_order:
+            q = meta["questions"][i]
+            self._buckets[q["k"]][q["key"]] = None
         self.retired.clear()
         self.retired.update(meta["retired"])
 

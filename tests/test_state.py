@@ -54,6 +54,30 @@ def test_round_trip(tmp_path):
     assert (path / ARRAYS_FILENAME).stat().st_size < 6 * tokens + 16 * buffer.num_trajectories + 1024
 
 
+def test_bucket_order_survives_round_trip(tmp_path):
+    """Sampling draws by position inside a bucket, and a question moves to its bucket's end whenever its bucket is
+    set again: a resumed buffer must keep those positions to draw the same questions."""
+    buffer = ExperienceBuffer(8, seed=5)
+    for q in "abcdef":
+        buffer.update_group(q, 4, {"prompt": q}, [Trajectory(np.array([ord(q)]), np.array([-1.0]), 0)])
+    buffer.update_group("a", 4)
+    buffer.update_group("c", 4)  # a, then c, move to the end of bucket 4
+    assert list(buffer._buckets[4]) == list("bdefac") and list(buffer.questions) == list("abcdef")
+    save_state(tmp_path, buffer, {})
+    restored = ExperienceBuffer(8, seed=0)
+    load_state(tmp_path, restored)
+    assert list(restored._buckets[4]) == list("bdefac")
+    assert [restored.sample_questions(2) for _ in range(10)] == [buffer.sample_questions(2) for _ in range(10)]
+
+    # a state saved before positions were recorded restores its buckets in buffer order
+    arrays, meta = buffer.state_dict()
+    for q in meta["questions"]:
+        del q["bucket_position"]
+    old = ExperienceBuffer(8)
+    old.load_state_dict(arrays, meta)
+    assert list(old._buckets[4]) == list("abcdef")
+
+
 def test_no_pickle(tmp_path):
     save_state(tmp_path, sample_buffer(), {})
     for f in (tmp_path / STATE_DIRNAME).iterdir():
