@@ -58,6 +58,16 @@ class ExGRPOConfig(GRPOConfig):
             "current policy (the paper's choice), 'random', or 'highest_entropy' (ablations)."
         },
     )
+    max_trajectory_candidates: int | None = field(
+        default=None,
+        metadata={
+            "help": "At most this many stored trajectories of a replayed question are candidates for "
+            "trajectory_selection: the most recently stored ones. None (the paper) makes every stored trajectory a "
+            "candidate. Scoring costs one no-grad forward per candidate, and a question gains candidates each time it "
+            "is visited, so this bounds the cost per replayed question; the newest trajectories come from the "
+            "policies nearest the current one."
+        },
+    )
     policy_shaping_gamma: float | None = field(
         default=0.1,
         metadata={
@@ -110,6 +120,11 @@ class ExGRPOConfig(GRPOConfig):
         if self.trajectory_selection not in TRAJECTORY_SELECTIONS:
             raise ValueError(
                 f"trajectory_selection must be one of {TRAJECTORY_SELECTIONS}, got {self.trajectory_selection!r}."
+            )
+        if self.max_trajectory_candidates is not None and self.max_trajectory_candidates < 1:
+            raise ValueError(
+                f"max_trajectory_candidates must be None (every stored trajectory) or >= 1; "
+                f"got {self.max_trajectory_candidates}."
             )
         if self.policy_shaping_gamma is not None and not self.policy_shaping_gamma > 0.0:
             raise ValueError(

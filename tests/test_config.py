@@ -16,6 +16,7 @@ def test_defaults_are_the_papers(tmp_path):
     assert (cfg.question_selection, cfg.trajectory_selection) == ("gaussian", "lowest_entropy")
     assert (cfg.policy_shaping_gamma, cfg.replay_importance_correction) == (0.1, True)
     assert (cfg.success_reward_threshold, cfg.skip_retired_questions) == (1.0, True)
+    assert cfg.max_trajectory_candidates is None  # every stored trajectory is a candidate, as in the paper
 
 
 def test_every_field_has_help():
@@ -27,7 +28,7 @@ def test_every_field_has_help():
     assert own == {
         "replay_ratio", "replay_start_pass_rate", "replay_mu", "replay_sigma", "question_selection",
         "trajectory_selection", "policy_shaping_gamma", "replay_importance_correction", "success_reward_threshold",
-        "skip_retired_questions",
+        "skip_retired_questions", "max_trajectory_candidates",
     }
     for f in fields(ExGRPOConfig):
         if f.name in own:
@@ -46,6 +47,7 @@ def test_every_field_has_help():
         ({"replay_start_pass_rate": 1.0}, "replay_start_pass_rate must be None or in"),
         ({"question_selection": "greedy"}, "question_selection must be one of"),
         ({"trajectory_selection": "shortest"}, "trajectory_selection must be one of"),
+        ({"max_trajectory_candidates": 0}, "max_trajectory_candidates must be None"),
     ],
 )
 def test_bad_values_name_the_field(tmp_path, kwargs, message):

@@ -63,3 +63,29 @@ def test_plan_picks_the_extreme_entropy(trainer, tokenizer, selection):
     assert torch.equal(plan.behaviour_logps[0], torch.full((len(candidates[expected]),), -1.0 - expected))
     assert plan.selected_entropies == pytest.approx([entropies[expected]], abs=1e-5)
     trainer.args.trajectory_selection = "lowest_entropy"
+
+
+@pytest.mark.parametrize("cap", [1, 2, 3, None])
+def test_candidate_cap_scores_only_the_newest(trainer, tokenizer, cap, monkeypatch):
+    prompt = "3+4="
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    candidates = [[5, 6, 1], [7, 8, 9, 10, 11, 12, 1], [3, 4, 5, 6, 1], [9, 1]]  # stored oldest first
+    entropies = [reference_entropy(trainer.model, prompt_ids, c) for c in candidates]
+    first = 0 if cap is None else len(candidates) - cap  # the newest `cap` are the candidates
+    expected = first + int(np.argmin(entropies[first:]))
+    scored = []
+    score = trainer._exgrpo_score_entropies
+    monkeypatch.setattr(trainer, "_exgrpo_score_entropies", lambda p, c: scored.append(c) or score(p, c))
+
+    monkeypatch.setattr(trainer.args, "max_trajectory_candidates", cap)
+    buffer = trainer.experience_buffer
+    buffer.questions.clear()
+    buffer.update_group(question_key(prompt), 3, {"prompt": prompt, "always": False},
+                        [Trajectory(np.array(c), np.full(len(c), -1.0 - i), 0) for i, c in enumerate(candidates)])
+    trainer.exgrpo_state["replay_active"] = True
+    plan = trainer._exgrpo_make_plan(num_local=32)
+    assert plan.completion_ids == [candidates[expected]]
+    assert torch.equal(plan.behaviour_logps[0], torch.full((len(candidates[expected]),), -1.0 - expected))
+    # one candidate needs no scoring; otherwise exactly the newest `cap` are scored
+    assert [[list(map(int, ids)) for ids in c] for c in scored] == ([] if cap == 1 else [candidates[first:]])
+    assert len(buffer.questions[question_key(prompt)].trajectories) == 4  # the buffer itself keeps them all
