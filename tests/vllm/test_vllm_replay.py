@@ -402,20 +402,30 @@ def _tok(record, text: str) -> list[int]:
     return record["tokenizer"](text)["input_ids"]
 
 
+def sent_position(batch, mode: str) -> dict[int, int]:
+    """Batch row -> its index in what reached vLLM. Server mode generates every row (K per distinct prompt);
+    colocate mode (no tensor parallelism) leaves out the rows a stored trajectory takes."""
+    rows = [r for r in range(K * GROUPS) if mode == "server" or r not in batch["splice"]]
+    return {row: i for i, row in enumerate(rows)}
+
+
 # ---------------------------------------------------------------------------------------------------- tests
 def test_group_prompts_identical_and_contiguous(vllm_run):
-    """Every group's K prompt rows are identical and contiguous in what reaches vLLM, replayed groups included."""
+    """Every group's K prompt rows are identical and contiguous in what reaches vLLM, replayed groups included
+    (in colocate mode a replayed group sends its K-1 fresh rows)."""
     assert len(vllm_run["batches"]) == MAX_STEPS
     for batch in vllm_run["batches"]:
         rows = batch["vllm"]["prompts"]
-        assert len(rows) == K * GROUPS and batch["vllm"]["num_generations"] == K
+        position = sent_position(batch, vllm_run["mode"])
+        assert len(rows) == len(position) and batch["vllm"]["num_generations"] == K
         for g in range(GROUPS):
-            group = rows[g * K : (g + 1) * K]
+            group = [rows[position[r]] for r in range(g * K, (g + 1) * K) if r in position]
+            assert len(group) == K - (g * K in batch["splice"] and vllm_run["mode"] == "colocate")
             assert all(r == group[0] for r in group), (g, group)
             assert group[0] == _tok(vllm_run, batch["prompts"][g * K])
         plan = batch["plan"]
         for j, g in enumerate(plan.group_indices if plan else []):
-            assert rows[g * K] == _tok(vllm_run, plan.rows[j]["prompt"])  # the stored question's own prompt
+            assert rows[position[g * K + 1]] == _tok(vllm_run, plan.rows[j]["prompt"])  # the stored question's own
         # what the engine itself received: one request per generation batch
         (call,) = batch["engine_calls"]
         if vllm_run["mode"] == "server":
@@ -429,6 +439,7 @@ def test_stored_trajectories_spliced_into_the_right_rows(vllm_run):
     replayed = 0
     for batch in vllm_run["batches"]:
         plan, out, sent = batch["plan"], batch["output"], batch["vllm"]
+        position = sent_position(batch, vllm_run["mode"])
         n_exp = min(len(batch["before"]), GROUPS // 2)  # rho = 0.5: floor(0.5 * 4 groups), at most the buffer's size
         assert (len(plan.group_indices) if plan else 0) == n_exp
         mask = out.get("exgrpo_replay_mask", torch.zeros(K * GROUPS, dtype=torch.bool))
@@ -446,7 +457,7 @@ def test_stored_trajectories_spliced_into_the_right_rows(vllm_run):
                 assert batch["prompts"][row] == plan.rows[j]["prompt"]
                 replayed += 1
             else:
-                assert ids == sent["completion_ids"][row]  # fresh rows keep what vLLM generated
+                assert ids == sent["completion_ids"][position[row]]  # fresh rows keep what vLLM generated
     assert vllm_run["batches"][0]["plan"] is None  # the buffer starts empty
     assert replayed >= 2, replayed
     vllm_run["report"].append(f"{vllm_run['mode']}: {replayed} stored trajectories spliced over {MAX_STEPS} batches")
@@ -456,6 +467,7 @@ def test_importance_ratio_one_for_spliced_rows_and_vllm_logprobs_for_fresh(vllm_
     deltas, spliced, corrected = [], 0, 0
     for batch in vllm_run["batches"]:
         out, sent = batch["output"], batch["vllm"]
+        position = sent_position(batch, vllm_run["mode"])
         ratio = out["importance_sampling_ratio"]  # (B, 1): TRL's default "sequence_mask" mode
         sampling, old = out["sampling_per_token_logps"], out["old_per_token_logps"]
         assert ratio.shape == (K * GROUPS, 1)
@@ -466,7 +478,7 @@ def test_importance_ratio_one_for_spliced_rows_and_vllm_logprobs_for_fresh(vllm_
                 assert ratio[row, 0].item() == 1.0  # exactly: the correction leaves the stored trajectory alone
                 spliced += 1
             else:
-                expected = torch.tensor(sent["logprobs"][row], dtype=torch.float32)
+                expected = torch.tensor(sent["logprobs"][position[row]], dtype=torch.float32)
                 assert torch.equal(sampling[row, :length], expected)  # vLLM's own sampling log-probs, unchanged
                 diff = (old[row, :length] - sampling[row, :length]).double()
                 deltas.append(diff.abs().max().item())
