@@ -2,8 +2,10 @@
 
 Both trainers get the same model, data, reward and configuration; ExGRPO runs with replay on and a warm buffer
 (pre-filled so that every step replays rho of its questions, each with several stored candidates to score). They
-run in alternating blocks of steps, and the script prints the median optimizer-step time of each, their ratio, and
-where ExGRPO's extra time goes.
+take turns step by step (each in its own thread, one running at a time, so drifts in the machine's speed fall on
+both alike), and the script prints the median optimizer-step time of each, their ratio, the median of the ratios of
+steps run back to back, and where ExGRPO's time differs: its own code (planning, entropy scoring, splice,
+bookkeeping, loss) and generation (replayed groups sample K-1 rows, not K).
 
     python benchmarks/overhead.py                       # default: a scaled-down paper shape on CPU
     python benchmarks/overhead.py --hidden-size 896 --layers 24 --heads 14 --max-completion-length 1024 \
@@ -20,14 +22,14 @@ import argparse
 import json
 import statistics
 import tempfile
+import threading
 import time
 from collections import defaultdict
-from contextlib import contextmanager
 
 import numpy as np
 import torch
 from datasets import Dataset
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
@@ -51,9 +53,14 @@ class TimedExGRPOTrainer(ExGRPOTrainer):
         super().__init__(*args, **kwargs)
         self.timings: dict[str, float] = defaultdict(float)
         self.extra_per_step: list[float] = []  # ExGRPO's own seconds in each optimizer step (nested calls once)
+        self.scored_rows: list[int] = []  # stored trajectories scored per generation batch
         self._depth = 0
         for label, name in TIMED.items():
             setattr(self, name, self._timed(label, getattr(self, name)))
+
+    def _exgrpo_score_entropies(self, prompt_ids, completion_ids):
+        self.scored_rows.append(len(completion_ids))
+        return super()._exgrpo_score_entropies(prompt_ids, completion_ids)
 
     def training_step(self, *args, **kwargs):
         if self._step % self.current_gradient_accumulation_steps == 0:
@@ -135,11 +142,89 @@ def prefill(trainer: ExGRPOTrainer, dataset: Dataset, reward, args) -> None:
     trainer.exgrpo_state["replay_active"] = True
 
 
-@contextmanager
-def timer(label: str, log: dict):
-    start = time.perf_counter()
-    yield
-    log[label] = time.perf_counter() - start
+def time_generation(trainer) -> list[float]:
+    """Record the seconds of each call of TRL's generation hook (ExGRPO's override included) on `trainer`."""
+    seconds: list[float] = []
+    method = trainer._generate_single_turn
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    trainer._generate_single_turn = wrapper
+    return seconds
+
+
+class _Turns:
+    """Lets named threads run one optimizer step each in turn (the others wait), until each has finished.
+
+    Turns go A B, B A, A B, ...: a trainer run right after the other one measured 1-4% slower (or faster) than the
+    other in A/A runs of two GRPOTrainers, whichever was constructed first; alternating who goes first cancels it.
+    """
+
+    def __init__(self, names: list[str]):
+        self.order, self.active = list(names), set(names)
+        self.schedule = self.order + self.order[::-1]  # A B B A, repeated
+        self.position = 0
+        self.turn = names[0]
+        self.cond = threading.Condition()
+
+    def wait(self, name: str) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.turn == name)
+
+    def pass_on(self, name: str, finished: bool = False) -> None:
+        with self.cond:
+            if finished:
+                self.active.discard(name)
+            for _ in range(len(self.schedule)):
+                self.position += 1
+                candidate = self.schedule[self.position % len(self.schedule)]
+                if candidate in self.active:
+                    self.turn = candidate
+                    break
+            self.cond.notify_all()
+
+
+class _TakeTurns(TrainerCallback):
+    def __init__(self, turns: _Turns, name: str):
+        self.turns, self.name = turns, name
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.turns.pass_on(self.name)
+        self.turns.wait(self.name)
+
+
+def run_in_lockstep(trainers: dict, steps: int) -> None:
+    """Train every trainer for `steps` optimizer steps, one step of each in turn, each in its own thread.
+
+    Only one trainer runs at any moment, and step i of each runs next to step i of the others, so slow drifts in the
+    machine's speed (other tenants, clocks) fall on all of them alike; TRL's `step_time` covers each step alone.
+    """
+    turns = _Turns(list(trainers))
+    errors = []
+
+    def work(name, trainer):
+        turns.wait(name)
+        try:
+            trainer.args.max_steps = steps
+            trainer.add_callback(_TakeTurns(turns, name))
+            trainer.train()
+        except BaseException as error:  # re-raised in the caller
+            errors.append(error)
+        finally:
+            turns.pass_on(name, finished=True)
+
+    threads = [threading.Thread(target=work, args=item, name=item[0]) for item in trainers.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
 
 
 def step_times(trainer) -> list[float]:
@@ -156,11 +241,15 @@ def main(argv=None) -> int:
     p.add_argument("--replay-ratio", type=float, default=0.5)
     p.add_argument("--max-completion-length", type=int, default=32)
     p.add_argument("--prefill-questions", type=int, default=64)
-    p.add_argument("--blocks", type=int, default=4, help="alternating blocks per trainer")
-    p.add_argument("--steps-per-block", type=int, default=6)
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps per trainer, taken in turns")
+    p.add_argument("--warmup-steps", type=int, default=2, help="first steps of each trainer left out of the figures")
     p.add_argument("--device", default="cpu")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-trajectory-candidates", type=int, default=None,
+                   help="ExGRPOConfig.max_trajectory_candidates (default: None, every stored trajectory is scored)")
+    p.add_argument("--aa", action="store_true",
+                   help="A/A check of the harness: time two GRPOTrainers against each other (expect a ratio of 1)")
     p.add_argument("--json", help="also write the figures to this JSON file")
     args = p.parse_args(argv)
 
@@ -171,60 +260,76 @@ def main(argv=None) -> int:
     prompts = sorted({f"{a}+{b}=" for a, b in rng.integers(0, 10**4, size=(4000, 2))})
     dataset = Dataset.from_dict({"prompt": prompts}).shuffle(seed=args.seed)
     common = dict(
-        output_dir=tempfile.mkdtemp(prefix="exgrpo-overhead-"), per_device_train_batch_size=args.questions_per_step * args.num_generations,
+        output_dir=tempfile.mkdtemp(prefix="exgrpo-overhead-"),
+        per_device_train_batch_size=args.questions_per_step * args.num_generations,
         num_generations=args.num_generations, max_completion_length=args.max_completion_length, learning_rate=1e-5,
         logging_steps=1, report_to=[], use_cpu=args.device == "cpu", bf16=args.bf16, gradient_checkpointing=False,
         save_strategy="no", seed=args.seed, loss_type="dr_grpo", scale_rewards="none", disable_tqdm=True,
     )
     model_grpo, model_ex = build_model(tokenizer, args), build_model(tokenizer, args)
+    cap = {} if args.max_trajectory_candidates is None else {"max_trajectory_candidates": args.max_trajectory_candidates}
     n_params = sum(p.numel() for p in model_grpo.parameters())
     grpo = GRPOTrainer(model=model_grpo, reward_funcs=reward, args=GRPOConfig(**common), train_dataset=dataset,
                        processing_class=tokenizer)
+    if args.aa:
+        other = GRPOTrainer(model=model_ex, reward_funcs=reward, args=GRPOConfig(**common), train_dataset=dataset,
+                            processing_class=tokenizer)
+        run_in_lockstep({"grpo": grpo, "grpo again": other}, args.steps)
+        a, b = step_times(grpo)[args.warmup_steps :], step_times(other)[args.warmup_steps :]
+        paired = [y / x for x, y in zip(a, b)]
+        print(f"A/A: GRPOTrainer {statistics.median(a):.4f} s, the same again {statistics.median(b):.4f} s, ratio "
+              f"{statistics.median(b) / statistics.median(a):.3f}; step-by-step ratio median "
+              f"{statistics.median(paired):.3f} (quartiles {np.percentile(paired, 25):.3f}-"
+              f"{np.percentile(paired, 75):.3f})")
+        return 0
     ex = TimedExGRPOTrainer(model=model_ex, reward_funcs=reward, train_dataset=dataset, processing_class=tokenizer,
-                            args=ExGRPOConfig(replay_ratio=args.replay_ratio, replay_start_pass_rate=0.0, **common))
+                            args=ExGRPOConfig(replay_ratio=args.replay_ratio, replay_start_pass_rate=0.0, **cap, **common))
     ex.model.to(ex.accelerator.device)
     prefill(ex, dataset, reward, args)
     buffer = ex.experience_buffer
     candidates = [len(e.trajectories) for e in buffer.questions.values()]
     print(f"model: {n_params / 1e6:.2f}M params; {args.questions_per_step} questions x K={args.num_generations} per "
-          f"step; completions up to {args.max_completion_length} tokens; rho={args.replay_ratio}")
+          f"step; completions up to {args.max_completion_length} tokens; rho={args.replay_ratio}; "
+          f"max_trajectory_candidates={args.max_trajectory_candidates}")
     print(f"warm buffer: {buffer.num_questions} questions, {buffer.num_trajectories} trajectories "
           f"(mean {np.mean(candidates):.1f} candidates per question)")
 
-    measured = {"grpo": [], "exgrpo": []}
-    fractions = []  # per ExGRPO step: its own extra time / the rest of that same step (robust to load drift)
-    for block in range(args.blocks):
-        for name, trainer in (("grpo", grpo), ("exgrpo", ex)):
-            trainer.args.max_steps = args.steps_per_block
-            trainer.state.log_history = []
-            if name == "exgrpo":
-                trainer.extra_per_step = []
-            trainer.train()
-            measured[name] += step_times(trainer)[1:]  # the block's first step pays one-off costs
-            if name == "exgrpo":
-                steps = step_times(trainer)
-                fractions += [x / (t - x) for t, x in zip(steps[1:], trainer.extra_per_step[1:])]
-        print(f"block {block + 1}/{args.blocks}: GRPO {statistics.median(measured['grpo']):.3f} s/step, "
-              f"ExGRPO {statistics.median(measured['exgrpo']):.3f} s/step", flush=True)
+    generation = {"grpo": time_generation(grpo), "exgrpo": time_generation(ex)}
+    run_in_lockstep({"grpo": grpo, "exgrpo": ex}, args.steps)
+    skip = args.warmup_steps  # the first steps pay one-off costs (data loader, optimizer state, allocator)
+    measured = {"grpo": step_times(grpo)[skip:], "exgrpo": step_times(ex)[skip:]}
+    generation = {name: seconds[skip:] for name, seconds in generation.items()}
+    paired = [e / g for g, e in zip(measured["grpo"], measured["exgrpo"])]  # step i of each, run back to back
+    # per ExGRPO step: its own extra time / the rest of that same step
+    fractions = [x / (t - x) for t, x in zip(measured["exgrpo"], ex.extra_per_step[skip:])]
 
     g, e = statistics.median(measured["grpo"]), statistics.median(measured["exgrpo"])
-    total_ex_steps = args.blocks * args.steps_per_block
+    total_ex_steps = args.steps
     print()
     print(f"median step time: GRPOTrainer {g:.4f} s, ExGRPOTrainer {e:.4f} s, ratio {e / g:.3f} "
           f"({len(measured['grpo'])} + {len(measured['exgrpo'])} steps)")
-    print(f"ExGRPO's own time / the rest of the same step: median {statistics.median(fractions):.3f} "
+    print(f"step-by-step ratio (ExGRPO step i / GRPO step i): median {statistics.median(paired):.3f} "
+          f"(quartiles {np.percentile(paired, 25):.3f}-{np.percentile(paired, 75):.3f})")
+    gen_g, gen_e = statistics.median(generation["grpo"]), statistics.median(generation["exgrpo"])
+    print(f"generation per step: GRPOTrainer {1000 * gen_g:.1f} ms, ExGRPOTrainer {1000 * gen_e:.1f} ms "
+          f"({1000 * (gen_e - gen_g):+.1f} ms: replayed groups sample K-1 rows, not K)")
+    print(f"ExGRPO's own code / the rest of the same step: median {statistics.median(fractions):.3f} "
           f"(quartiles {np.percentile(fractions, 25):.3f}-{np.percentile(fractions, 75):.3f})")
-    print("ExGRPO's own time per step (all steps of all blocks):")
+    print("ExGRPO's own time per step (mean over all steps):")
     per_step = {label: seconds / total_ex_steps for label, seconds in ex.timings.items()}
     for label in TIMED:
         share = per_step.get(label, 0.0)
         print(f"  {label:<28} {1000 * share:8.2f} ms  ({100 * share / g:5.2f}% of a GRPO step)")
+    print(f"stored trajectories scored per step: mean {np.mean(ex.scored_rows):.1f} "
+          f"(max {max(ex.scored_rows, default=0)})")
     print(f"buffer at the end: {buffer.num_questions} questions, {buffer.num_trajectories} trajectories, "
           f"{len(buffer.retired)} retired")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"grpo_median_s": g, "exgrpo_median_s": e, "ratio": e / g,
-                       "median_extra_fraction": statistics.median(fractions), "per_step_ms":
+            json.dump({"grpo_median_s": g, "exgrpo_median_s": e, "ratio": e / g, "paired_ratio_median": statistics.median(paired),
+                       "median_extra_fraction": statistics.median(fractions),
+                       "generation_median_s": {"grpo": gen_g, "exgrpo": gen_e}, "step_times_s": measured,
+                       "generation_s": generation, "per_step_ms":
                        {k: 1000 * v for k, v in per_step.items()}, "args": vars(args)}, f, indent=2)
     return 0
 
