@@ -219,36 +219,32 @@ class ExGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------ generation
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         splice = self._exgrpo_splice or {}
-        skipped = self._exgrpo_rows_not_generated(prompt_ids, images, multimodal_fields)
-        if skipped:  # the stored trajectory takes these rows: do not sample a completion only to discard it
-            kept = [i for i in range(len(prompt_ids)) if i not in skipped]
-            completion_ids, logprobs = super()._generate_single_turn(
-                [prompt_ids[i] for i in kept], images, multimodal_fields, num_generations, has_tool_images
-            )
-            full_ids, full_logprobs = [None] * len(prompt_ids), [None] * len(prompt_ids)
-            for i, ids, lps in zip(kept, completion_ids, logprobs if logprobs is not None else [None] * len(kept)):
-                full_ids[i], full_logprobs[i] = ids, lps
-            completion_ids, logprobs = full_ids, (full_logprobs if logprobs is not None else None)
-        else:
-            completion_ids, logprobs = super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )
+        rows = list(range(len(prompt_ids)))
+        if self._exgrpo_can_skip_spliced_rows(prompt_ids, images, multimodal_fields):
+            rows = [i for i in rows if i not in splice]  # do not sample a completion only to discard it
+        completion_ids, logprobs = super()._generate_single_turn(
+            [prompt_ids[i] for i in rows], images, multimodal_fields, num_generations, has_tool_images
+        )
         if splice:
-            completion_ids = list(completion_ids)
-            if logprobs is not None:
-                logprobs = list(logprobs)
+            full_ids = [None] * len(prompt_ids)
+            full_logprobs = None if logprobs is None else [None] * len(prompt_ids)
+            for j, i in enumerate(rows):
+                full_ids[i] = completion_ids[j]
+                if full_logprobs is not None:
+                    full_logprobs[i] = logprobs[j]
             for row, ids in splice.items():
-                completion_ids[row] = list(ids)
-                if logprobs is not None:
+                full_ids[row] = list(ids)
+                if full_logprobs is not None:
                     # None becomes NaN in TRL, and NaN an importance ratio of exactly 1: vLLM's sampling
                     # correction leaves the replayed row alone (its own weight is applied in the loss).
-                    logprobs[row] = [None] * len(ids)
+                    full_logprobs[row] = [None] * len(ids)
+            completion_ids, logprobs = full_ids, full_logprobs
         if self.model.training:
             self._exgrpo_completion_ids = [list(ids) for ids in completion_ids]
         return completion_ids, logprobs
 
-    def _exgrpo_rows_not_generated(self, prompt_ids, images, multimodal_fields) -> set[int]:
-        """Local rows whose completion is a spliced stored trajectory and can be left out of generation.
+    def _exgrpo_can_skip_spliced_rows(self, prompt_ids, images, multimodal_fields) -> bool:
+        """Whether the rows a stored trajectory takes can be left out of generation.
 
         Generation backends that take one prompt per row and run no collective tied to the row count can skip them:
         `generate` (under ZeRO-3 it syncs decoding steps, not rows), continuous batching, and colocated vLLM without
@@ -258,10 +254,8 @@ class ExGRPOTrainer(GRPOTrainer):
         """
         splice = self._exgrpo_splice
         if not splice or images is not None or multimodal_fields or len(splice) >= len(prompt_ids):
-            return set()
-        if self.use_vllm and (self.vllm_mode != "colocate" or self.vllm_tensor_parallel_size > 1):
-            return set()
-        return set(splice)
+            return False
+        return not (self.use_vllm and (self.vllm_mode != "colocate" or self.vllm_tensor_parallel_size > 1))
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
