@@ -30,12 +30,12 @@ from collections import defaultdict
 import numpy as np
 import torch
 from datasets import Dataset
-from transformers import Qwen2Config, Qwen2ForCausalLM, TrainerCallback
+from transformers import Qwen2ForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import Trajectory, question_key
-from exgrpo_trl.toy import build_char_tokenizer
+from exgrpo_trl.toy import build_char_tokenizer, build_tiny_model
 
 TIMED = {
     "plan (sample + broadcast)": "_exgrpo_make_plan",
@@ -85,25 +85,11 @@ class TimedExGRPOTrainer(ExGRPOTrainer):
 
 
 def build_model(tokenizer, args) -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=args.hidden_size,
+    return build_tiny_model(
+        tokenizer, hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
         intermediate_size=getattr(args, "intermediate_size", None) or args.hidden_size * 4,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        max_position_embeddings=4096, seed=args.seed,
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(args.seed)
-        model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model
 
 
 def make_reward(eos: int, digit_ids: set[int]):

@@ -109,6 +109,7 @@ def build_tiny_model(
     num_layers: int = 4,
     num_heads: int = 2,
     intermediate_size: int = 512,
+    max_position_embeddings: int = 64,
     seed: int = 0,
 ) -> Qwen2ForCausalLM:
     """A randomly initialised Qwen2 causal LM, float32, tied embeddings, about 1.05M parameters by default.
@@ -130,7 +131,7 @@ def build_tiny_model(
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
         head_dim=hidden_size // num_heads,
-        max_position_embeddings=64,
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
         use_sliding_window=False,
         attention_dropout=0.0,
