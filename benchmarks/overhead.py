@@ -8,6 +8,7 @@ steps run back to back, and where ExGRPO's time differs: its own code (planning,
 bookkeeping, loss) and generation (replayed groups sample K-1 rows, not K).
 
     python benchmarks/overhead.py                       # default: a scaled-down paper shape on CPU
+    python benchmarks/overhead.py --max-trajectory-candidates none   # the paper's selection: score every one
     python benchmarks/overhead.py --hidden-size 1024 --intermediate-size 5120 --layers 24 --heads 16 \
         --min-completion-length 1024 --max-completion-length 2048 --device cuda --bf16
                                                         # ~0.48B Qwen2 shape on a GPU, 1-2k-token completions
@@ -219,6 +220,10 @@ def step_times(trainer) -> list[float]:
     return [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
 
 
+def _cap(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden-size", type=int, default=128)
@@ -238,8 +243,9 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-trajectory-candidates", type=int, default=None,
-                   help="ExGRPOConfig.max_trajectory_candidates (default: None, every stored trajectory is scored)")
+    p.add_argument("--max-trajectory-candidates", type=_cap, default=ExGRPOConfig.max_trajectory_candidates,
+                   help="ExGRPOConfig.max_trajectory_candidates (default: the library's, "
+                   f"{ExGRPOConfig.max_trajectory_candidates}); 'none' scores every stored trajectory, as the paper")
     p.add_argument("--aa", action="store_true",
                    help="A/A check of the harness: time two GRPOTrainers against each other (expect a ratio of 1)")
     p.add_argument("--json", help="also write the figures to this JSON file")
@@ -260,7 +266,7 @@ def main(argv=None) -> int:
         generation_kwargs={"min_new_tokens": args.min_completion_length} if args.min_completion_length else None,
     )
     model_grpo, model_ex = build_model(tokenizer, args), build_model(tokenizer, args)
-    cap = {} if args.max_trajectory_candidates is None else {"max_trajectory_candidates": args.max_trajectory_candidates}
+    cap = {"max_trajectory_candidates": args.max_trajectory_candidates}
     n_params = sum(p.numel() for p in model_grpo.parameters())
     grpo = GRPOTrainer(model=model_grpo, reward_funcs=reward, args=GRPOConfig(**common), train_dataset=dataset,
                        processing_class=tokenizer)

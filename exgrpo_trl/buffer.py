@@ -51,6 +51,22 @@ def gaussian_bucket_probabilities(
     return {k: w / total for k, w in zip(buckets, weights)}
 
 
+def shortlist_candidates(trajectories: Sequence[Trajectory], m: int | None, highest: bool = False) -> list[Trajectory]:
+    """The `m` stored trajectories to score for selection (`ExGRPOConfig.max_trajectory_candidates`), in stored order.
+
+    A trajectory's stored negative log-likelihood, the mean of -logp over its tokens under the policy that sampled
+    it, estimates its per-token entropy at collection time and costs no forward pass. The shortlist is the `m`
+    lowest (`highest=True`: the `m` highest, for highest-entropy selection), ties going to the more recently stored.
+    With `m` None, or no more trajectories than `m`, every trajectory is a candidate.
+    """
+    if m is None or len(trajectories) <= m:
+        return list(trajectories)
+    sign = -1.0 if highest else 1.0
+    nll = [-float(np.mean(t.logps, dtype=np.float64)) for t in trajectories]
+    ranked = sorted(range(len(trajectories)), key=lambda i: (sign * nll[i], -i))
+    return [trajectories[i] for i in sorted(ranked[:m])]
+
+
 @dataclass(slots=True)
 class Trajectory:
     """One stored successful completion: its token ids and the behaviour policy's per-token log-probs."""

@@ -17,7 +17,7 @@ def exgrpo_card_section(args: Any, buffer: Any, global_step: int, replay_active:
         ("delayed start (batch Pass@1 >)", "off (replay from the first step)" if not delayed else delayed),
         ("rollouts per question (K)", args.num_generations),
         ("question selection", f"{args.question_selection} (mu {args.replay_mu}, sigma {args.replay_sigma})"),
-        ("trajectory selection", args.trajectory_selection),
+        ("trajectory selection", _trajectory_selection(args)),
         ("importance correction", args.replay_importance_correction),
         ("loss type", args.loss_type),
         ("learning rate", args.learning_rate),
@@ -39,6 +39,15 @@ def exgrpo_card_section(args: Any, buffer: Any, global_step: int, replay_active:
         "",
     ]
     return "\n".join(lines)
+
+
+def _trajectory_selection(args: Any) -> str:
+    m = getattr(args, "max_trajectory_candidates", None)
+    if args.trajectory_selection == "random":
+        return "random"
+    if m is None:
+        return f"{args.trajectory_selection} (every stored trajectory scored)"
+    return f"{args.trajectory_selection} (of a shortlist of {m} by stored log-likelihood)"
 
 
 def add_section(card_text: str, section: str) -> str:

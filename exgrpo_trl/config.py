@@ -59,13 +59,13 @@ class ExGRPOConfig(GRPOConfig):
         },
     )
     max_trajectory_candidates: int | None = field(
-        default=None,
+        default=4,
         metadata={
-            "help": "At most this many stored trajectories of a replayed question are candidates for "
-            "trajectory_selection: the most recently stored ones. None (the paper) makes every stored trajectory a "
-            "candidate. Scoring costs one no-grad forward per candidate, and a question gains candidates each time it "
-            "is visited, so this bounds the cost per replayed question; the newest trajectories come from the "
-            "policies nearest the current one."
+            "help": "M: at most this many stored trajectories of a replayed question are scored for "
+            "trajectory_selection: the M with the lowest stored negative log-likelihood (mean -logp under the policy "
+            "that sampled them; the highest for 'highest_entropy'), ties to the newest. Scoring costs one no-grad "
+            "forward per candidate and a question gains candidates at every visit, so this bounds the cost per "
+            "replayed question. None scores every stored trajectory, as in the paper (the paper recipes set it)."
         },
     )
     policy_shaping_gamma: float | None = field(

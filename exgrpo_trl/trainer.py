@@ -16,7 +16,7 @@ from trl import GRPOConfig, GRPOTrainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.models.utils import disable_gradient_checkpointing
 
-from .buffer import ExperienceBuffer, Trajectory, question_key
+from .buffer import ExperienceBuffer, Trajectory, question_key, shortlist_candidates
 from .card import add_section, exgrpo_card_section
 from .config import ExGRPOConfig
 from .loss import SUPPORTED_LOSS_TYPES, aggregate_token_loss, shaped_replay_token_loss
@@ -294,10 +294,13 @@ class ExGRPOTrainer(GRPOTrainer):
             for key in self.experience_buffer.sample_questions(n_exp):
                 entry = self.experience_buffer.questions[key]
                 candidates = entry.trajectories  # oldest first
-                if cfg.max_trajectory_candidates is not None:
-                    candidates = candidates[-cfg.max_trajectory_candidates :]
-                if cfg.trajectory_selection == "random" and len(candidates) > 1:
-                    candidates = [candidates[self.experience_buffer.choose_random(len(candidates))]]
+                if cfg.trajectory_selection == "random":  # no scoring, so no shortlist: uniform over all
+                    if len(candidates) > 1:
+                        candidates = [candidates[self.experience_buffer.choose_random(len(candidates))]]
+                else:
+                    candidates = shortlist_candidates(
+                        candidates, cfg.max_trajectory_candidates, cfg.trajectory_selection == "highest_entropy"
+                    )
                 # The stored arrays themselves (int32 ids, float16 log-probs): pickled as raw bytes for the broadcast,
                 # where Python lists cost ~5x the time and twice the bytes (see benchmarks/buffer_memory.py).
                 payload.append((key, entry.row, [(t.completion_ids, t.logps) for t in candidates]))

@@ -48,3 +48,37 @@ def test_tiny_run_writes_its_figures(overhead, tmp_path):
     assert len(figures["step_times_s"]["grpo"]) == len(figures["step_times_s"]["exgrpo"]) == 2
     assert figures["ratio"] == pytest.approx(figures["exgrpo_median_s"] / figures["grpo_median_s"])
     assert set(figures["per_step_ms"]) >= {"entropy scoring", "plan (sample + broadcast)"}
+
+
+@pytest.fixture(scope="module")
+def candidate_cap():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # candidate_cap imports overhead's builders
+    try:
+        spec = importlib.util.spec_from_file_location("candidate_cap", ROOT / "benchmarks" / "candidate_cap.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+def test_candidate_cap_summary_counts_by_hand(candidate_cap):
+    # Two selections, candidates oldest first.
+    #   A: entropies [1.0, 3.0, 2.0], stored NLL [0.2, 0.9, 0.5]: true argmin 0 (the oldest, age rank 2).
+    #      newest 2 = {1, 2} -> picks 2 (gap 2.0 - 1.0 = 1.0); lowest NLL 2 = {0, 2} -> picks 0 (same).
+    #   B: entropies [2.5, 0.5], NLL [0.1, 0.3]: argmin 1 (newest, age rank 0); with 2 candidates no cap binds.
+    #   M=2 scores 2 + 2 = 4 of the 5 rows (80.0%); M=1 scores nothing (a single candidate needs no forward).
+    lines = candidate_cap.summarise(
+        [candidate_cap.np.array([1.0, 3.0, 2.0]), candidate_cap.np.array([2.5, 0.5])],
+        [candidate_cap.np.array([0.2, 0.9, 0.5]), candidate_cap.np.array([0.1, 0.3])],
+        caps=[2, 1],
+    )
+    assert lines[0].startswith("2 scored selections, 5 candidates scored (mean 2.5, max 3 per question)")
+    assert lines[1] == "age rank of the true argmin (0 = newest stored): 0: 50.0%, 2: 50.0%"
+    assert "same pick  50.0% (1/2); gap when not: mean 1.0000, max 1.0000 nats; scores 80.0% of the rows" in lines[2]
+    assert "same pick 100.0% (2/2); never differs; scores 80.0% of the rows" in lines[3]
+    # M=1: newest -> A picks 2 (gap 1.0), B picks 1 (same); lowest NLL -> A picks 0 (same), B picks 0 (gap 2.0)
+    assert "same pick  50.0% (1/2); gap when not: mean 1.0000, max 1.0000 nats; scores 0.0% of the rows" in lines[4]
+    assert "same pick  50.0% (1/2); gap when not: mean 2.0000, max 2.0000 nats; scores 0.0% of the rows" in lines[5]

@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from exgrpo_trl.buffer import ExperienceBuffer, Trajectory, gaussian_bucket_probabilities, question_key
+from exgrpo_trl.buffer import (
+    ExperienceBuffer,
+    Trajectory,
+    gaussian_bucket_probabilities,
+    question_key,
+    shortlist_candidates,
+)
 
 
 def traj(*ids, step=0):
@@ -128,3 +134,19 @@ def test_question_key_is_stable_and_distinguishes_prompts():
     messages = [{"role": "user", "content": "hi"}]
     assert question_key(messages) == question_key([{"content": "hi", "role": "user"}])
     assert len(question_key(messages)) == 32
+
+
+def test_shortlist_keeps_the_lowest_stored_nll_in_stored_order():
+    # Stored NLL = mean of -logp over each trajectory's tokens (float16 values exact in binary):
+    #   t0: -(-1.0 - 3.0) / 2 = 2.0    t1: 0.5    t2: -(-3.0) = 3.0    t3: -(-0.25 - 1.75) / 2 = 1.0
+    #   t4: 0.5 (ties with t1; t4 is newer)
+    logps = [[-1.0, -3.0], [-0.5], [-3.0, -3.0, -3.0], [-0.25, -1.75], [-0.5, -0.5]]
+    trajs = [Trajectory(np.arange(len(lp)) + 3, np.array(lp), step) for step, lp in enumerate(logps)]
+    picked = lambda m, highest=False: [t.step for t in shortlist_candidates(trajs, m, highest)]
+    assert picked(1) == [4]  # t1 and t4 tie at 0.5: the newer one
+    assert picked(2) == [1, 4]
+    assert picked(3) == [1, 3, 4]  # then t3 (1.0); returned in stored order, not by rank
+    assert picked(4) == [0, 1, 3, 4]
+    assert picked(1, highest=True) == [2]  # 3.0
+    assert picked(2, highest=True) == [0, 2]  # then t0 (2.0)
+    assert picked(5) == picked(9) == picked(None) == [0, 1, 2, 3, 4]  # no cap to apply

@@ -16,7 +16,8 @@ def test_defaults_are_the_papers(tmp_path):
     assert (cfg.question_selection, cfg.trajectory_selection) == ("gaussian", "lowest_entropy")
     assert (cfg.policy_shaping_gamma, cfg.replay_importance_correction) == (0.1, True)
     assert (cfg.success_reward_threshold, cfg.skip_retired_questions) == (1.0, True)
-    assert cfg.max_trajectory_candidates is None  # every stored trajectory is a candidate, as in the paper
+    # the one default that is not the paper's (README, "Decisions"): scoring is bounded to 4 shortlisted candidates
+    assert cfg.max_trajectory_candidates == 4
 
 
 def test_every_field_has_help():

@@ -179,6 +179,7 @@ def test_qwen7b_recipe_matches_spec():
     assert args.replay_start_pass_rate == 0.35
     assert (args.replay_mu, args.replay_sigma) == (0.5, 1.0)
     assert (args.question_selection, args.trajectory_selection) == ("gaussian", "lowest_entropy")
+    assert args.max_trajectory_candidates is None  # every stored trajectory is scored, as in the paper
     assert args.replay_importance_correction is True
     assert args.success_reward_threshold == 1.0 and args.skip_retired_questions is True
     # batch and length

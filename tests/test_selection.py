@@ -65,27 +65,54 @@ def test_plan_picks_the_extreme_entropy(trainer, tokenizer, selection):
     trainer.args.trajectory_selection = "lowest_entropy"
 
 
-@pytest.mark.parametrize("cap", [1, 2, 3, None])
-def test_candidate_cap_scores_only_the_newest(trainer, tokenizer, cap, monkeypatch):
+@pytest.mark.parametrize("cap,selection", [(1, "lowest_entropy"), (2, "lowest_entropy"), (3, "lowest_entropy"),
+                                           (None, "lowest_entropy"), (2, "highest_entropy")])
+def test_candidate_cap_scores_the_shortlist(trainer, tokenizer, cap, selection, monkeypatch):
     prompt = "3+4="
     prompt_ids = tokenizer(prompt)["input_ids"]
     candidates = [[5, 6, 1], [7, 8, 9, 10, 11, 12, 1], [3, 4, 5, 6, 1], [9, 1]]  # stored oldest first
+    nll = [2.0, 0.5, 3.0, 1.0]  # stored log-probs -nll on every token
+    # lowest stored NLL first: 1 (0.5), 3 (1.0), 0 (2.0), 2 (3.0); highest first: 2, 0, 3, 1
+    by_nll = [1, 3, 0, 2] if selection == "lowest_entropy" else [2, 0, 3, 1]
+    kept = list(range(4)) if cap is None else sorted(by_nll[:cap])  # scored in stored order
     entropies = [reference_entropy(trainer.model, prompt_ids, c) for c in candidates]
-    first = 0 if cap is None else len(candidates) - cap  # the newest `cap` are the candidates
-    expected = first + int(np.argmin(entropies[first:]))
+    pick = np.argmin if selection == "lowest_entropy" else np.argmax
+    expected = kept[int(pick([entropies[i] for i in kept]))]
     scored = []
     score = trainer._exgrpo_score_entropies
     monkeypatch.setattr(trainer, "_exgrpo_score_entropies", lambda p, c: scored.append(c) or score(p, c))
 
     monkeypatch.setattr(trainer.args, "max_trajectory_candidates", cap)
+    monkeypatch.setattr(trainer.args, "trajectory_selection", selection)
     buffer = trainer.experience_buffer
     buffer.questions.clear()
     buffer.update_group(question_key(prompt), 3, {"prompt": prompt, "always": False},
-                        [Trajectory(np.array(c), np.full(len(c), -1.0 - i), 0) for i, c in enumerate(candidates)])
+                        [Trajectory(np.array(c), np.full(len(c), -nll[i]), 0) for i, c in enumerate(candidates)])
     trainer.exgrpo_state["replay_active"] = True
     plan = trainer._exgrpo_make_plan(num_local=32)
     assert plan.completion_ids == [candidates[expected]]
-    assert torch.equal(plan.behaviour_logps[0], torch.full((len(candidates[expected]),), -1.0 - expected))
-    # one candidate needs no scoring; otherwise exactly the newest `cap` are scored
-    assert [[list(map(int, ids)) for ids in c] for c in scored] == ([] if cap == 1 else [candidates[first:]])
+    assert torch.equal(plan.behaviour_logps[0], torch.full((len(candidates[expected]),), -nll[expected]))
+    # one candidate needs no scoring; otherwise exactly the shortlist is scored
+    assert [[list(map(int, ids)) for ids in c] for c in scored] == ([] if cap == 1 else [[candidates[i] for i in kept]])
     assert len(buffer.questions[question_key(prompt)].trajectories) == 4  # the buffer itself keeps them all
+    if cap == 2:  # the cap changes the pick here, so the test tells the shortlist from "score everything"
+        assert expected != int(pick(entropies))
+
+
+def test_random_selection_ignores_the_cap(trainer, tokenizer, monkeypatch):
+    """Random selection scores nothing, so it draws uniformly over every stored trajectory, cap or not."""
+    prompt = "3+4="
+    candidates = [[5, 6, 1], [7, 8, 9, 10, 11, 12, 1], [3, 4, 5, 6, 1], [9, 1], [4, 1]]
+    monkeypatch.setattr(trainer.args, "max_trajectory_candidates", 1)
+    monkeypatch.setattr(trainer.args, "trajectory_selection", "random")
+    buffer = trainer.experience_buffer
+    buffer.questions.clear()
+    buffer.update_group(question_key(prompt), 3, {"prompt": prompt, "always": False},
+                        [Trajectory(np.array(c), np.full(len(c), -1.0), 0) for c in candidates])
+    trainer.exgrpo_state["replay_active"] = True
+    asked = []
+    monkeypatch.setattr(buffer, "choose_random", lambda n: asked.append(n) or n - 2)
+    monkeypatch.setattr(trainer, "_exgrpo_score_entropies", lambda p, c: pytest.fail("random selection scored"))
+    plan = trainer._exgrpo_make_plan(num_local=32)
+    assert asked == [5]  # drawn over all 5 stored trajectories, not over a shortlist of 1
+    assert plan.completion_ids == [candidates[3]]  # index n - 2 = 3

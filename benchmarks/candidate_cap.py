@@ -1,0 +1,142 @@
+"""What `max_trajectory_candidates` changes: how often the lowest-entropy trajectory is among a question's newest M.
+
+ExGRPO (SPEC §6) scores every stored trajectory of a replayed question under the current policy and picks the argmin
+of the mean per-token entropy. With `max_trajectory_candidates=M`, only the question's M most recently stored
+trajectories are scored. This script trains ExGRPOTrainer *uncapped* (the paper's selection drives training) on the
+synthetic task of `benchmarks/overhead.py`, and at every replay selection also works out which trajectory each cap
+would have picked, from the same entropies. It prints, per M: how often the pick is the same, the mean and largest
+entropy gap (capped pick - true minimum) when it is not, and the share of scoring rows the cap saves.
+
+    python benchmarks/candidate_cap.py                  # 120 steps, learning rate 1e-5 (as overhead.py), caps 2 4 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+from datasets import Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from overhead import build_model, make_reward, prefill  # noqa: E402
+
+from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer  # noqa: E402
+from exgrpo_trl.toy import build_char_tokenizer  # noqa: E402
+
+
+class RecordingExGRPOTrainer(ExGRPOTrainer):
+    """Records, for every scored question, its candidates' entropies (oldest stored first). Single process only."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.selections: list[np.ndarray] = []
+        self.stored_nll: list[np.ndarray] = []
+        self._sampled: list[str] = []
+        sample = self.experience_buffer.sample_questions
+
+        def recording_sample(n):
+            self._sampled = sample(n)
+            return self._sampled
+
+        self.experience_buffer.sample_questions = recording_sample
+
+    def _exgrpo_score_entropies(self, prompt_ids, completion_ids):
+        entropies = super()._exgrpo_score_entropies(prompt_ids, completion_ids).numpy()
+        stored = [self.experience_buffer.questions[k].trajectories for k in self._sampled]
+        stored = [t for t in stored if len(t) > 1]  # the plan scores only questions with more than one candidate
+        counts = [len(t) for t in stored]
+        if sum(counts) != len(entropies):
+            raise RuntimeError(f"{len(entropies)} scores for {sum(counts)} candidates")
+        start = 0
+        for n, trajs in zip(counts, stored):
+            self.selections.append(entropies[start : start + n].copy())
+            self.stored_nll.append(np.array([-t.logps.astype(np.float64).mean() for t in trajs]))
+            start += n
+        return torch.from_numpy(entropies)
+
+
+def summarise(selections: list[np.ndarray], stored_nll: list[np.ndarray], caps: list[int]) -> list[str]:
+    """Per cap M and rule ("newest": the M most recently stored; "lowest stored NLL": the M with the lowest mean
+    -log-prob under the policy that generated them, from the buffer, no forward pass), how often the capped pick is
+    the uncapped one."""
+    lines = []
+    total = sum(len(s) for s in selections)
+    age = Counter(len(s) - 1 - int(np.argmin(s)) for s in selections)  # 0: the newest trajectory is the argmin
+    lines.append(f"{len(selections)} scored selections, {total} candidates scored (mean {total / len(selections):.1f}, "
+                 f"max {max(len(s) for s in selections)} per question); mean selected entropy "
+                 f"{np.mean([s.min() for s in selections]):.4f} nats")
+    newest = ", ".join(f"{a}: {age[a] / len(selections):.1%}" for a in sorted(age)[:8])
+    lines.append(f"age rank of the true argmin (0 = newest stored): {newest}")
+    rules = {
+        "newest": lambda s, nll, m: np.arange(len(s))[-m:],
+        "lowest stored NLL": lambda s, nll, m: np.argsort(nll, kind="stable")[:m],
+    }
+    for m in caps:
+        for rule, pick in rules.items():
+            same, gaps, scored = 0, [], 0
+            for s, nll in zip(selections, stored_nll):
+                kept = pick(s, nll, m)
+                scored += len(kept) if len(kept) > 1 else 0
+                if kept[int(np.argmin(s[kept]))] == int(np.argmin(s)):
+                    same += 1
+                else:
+                    gaps.append(float(s[kept].min() - s.min()))
+            gap_text = f"gap when not: mean {np.mean(gaps):.4f}, max {max(gaps):.4f} nats" if gaps else "never differs"
+            lines.append(f"M={m} {rule:>17}: same pick {same / len(selections):6.1%} ({same}/{len(selections)}); "
+                         f"{gap_text}; scores {scored / total:.1%} of the rows")
+    return lines
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--learning-rate", type=float, default=1e-5)
+    p.add_argument("--caps", type=int, nargs="+", default=[2, 4, 8])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--intermediate-size", type=int, default=None)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--questions-per-step", type=int, default=16)
+    p.add_argument("--num-generations", type=int, default=8)
+    p.add_argument("--replay-ratio", type=float, default=0.5)
+    p.add_argument("--max-completion-length", type=int, default=32)
+    p.add_argument("--min-completion-length", type=int, default=0)
+    p.add_argument("--prefill-questions", type=int, default=64)
+    args = p.parse_args(argv)
+
+    tokenizer = build_char_tokenizer()
+    digit_ids = {tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)}
+    reward = make_reward(tokenizer.eos_token_id, digit_ids)
+    rng = np.random.default_rng(args.seed)
+    prompts = sorted({f"{a}+{b}=" for a, b in rng.integers(0, 10**4, size=(4000, 2))})
+    dataset = Dataset.from_dict({"prompt": prompts}).shuffle(seed=args.seed)
+    trainer = RecordingExGRPOTrainer(
+        model=build_model(tokenizer, args), reward_funcs=reward, train_dataset=dataset, processing_class=tokenizer,
+        args=ExGRPOConfig(
+            output_dir=tempfile.mkdtemp(prefix="exgrpo-cap-"), max_steps=args.steps,
+            per_device_train_batch_size=args.questions_per_step * args.num_generations,
+            num_generations=args.num_generations, max_completion_length=args.max_completion_length,
+            learning_rate=args.learning_rate, lr_scheduler_type="constant", logging_steps=10, report_to=[],
+            use_cpu=True, save_strategy="no", seed=args.seed, loss_type="dr_grpo", scale_rewards="none",
+            replay_ratio=args.replay_ratio, replay_start_pass_rate=0.0, disable_tqdm=True,
+            max_trajectory_candidates=None,  # the paper's selection drives training; the caps are counterfactual
+        ),
+    )
+    prefill(trainer, dataset, reward, args)
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    print(f"reward (mean per logged step): first {rewards[0]:.3f}, last {rewards[-1]:.3f}")
+    for line in summarise(trainer.selections, trainer.stored_nll, args.caps):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
