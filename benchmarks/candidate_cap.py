@@ -20,14 +20,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from datasets import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import build_model, make_reward, prefill  # noqa: E402
+from overhead import add_task_arguments, build_model, build_task, prefill  # noqa: E402
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer  # noqa: E402
-from exgrpo_trl.toy import build_char_tokenizer  # noqa: E402
 
 
 class RecordingExGRPOTrainer(ExGRPOTrainer):
@@ -98,25 +96,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--learning-rate", type=float, default=1e-5)
     p.add_argument("--caps", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--hidden-size", type=int, default=128)
-    p.add_argument("--intermediate-size", type=int, default=None)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--questions-per-step", type=int, default=16)
-    p.add_argument("--num-generations", type=int, default=8)
-    p.add_argument("--replay-ratio", type=float, default=0.5)
-    p.add_argument("--max-completion-length", type=int, default=32)
-    p.add_argument("--min-completion-length", type=int, default=0)
-    p.add_argument("--prefill-questions", type=int, default=64)
+    add_task_arguments(p)
     args = p.parse_args(argv)
 
-    tokenizer = build_char_tokenizer()
-    digit_ids = {tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)}
-    reward = make_reward(tokenizer.eos_token_id, digit_ids)
-    rng = np.random.default_rng(args.seed)
-    prompts = sorted({f"{a}+{b}=" for a, b in rng.integers(0, 10**4, size=(4000, 2))})
-    dataset = Dataset.from_dict({"prompt": prompts}).shuffle(seed=args.seed)
+    tokenizer, reward, dataset = build_task(args.seed)
     trainer = RecordingExGRPOTrainer(
         model=build_model(tokenizer, args), reward_funcs=reward, train_dataset=dataset, processing_class=tokenizer,
         args=ExGRPOConfig(

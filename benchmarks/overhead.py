@@ -220,12 +220,8 @@ def step_times(trainer) -> list[float]:
     return [h["step_time"] for h in trainer.state.log_history if "step_time" in h]
 
 
-def _cap(text: str) -> int | None:
-    return None if text.lower() == "none" else int(text)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_task_arguments(p: argparse.ArgumentParser) -> None:
+    """The model and batch shape, and the seed (shared with benchmarks/candidate_cap.py)."""
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: 4 x hidden size)")
     p.add_argument("--layers", type=int, default=4)
@@ -238,11 +234,30 @@ def main(argv=None) -> int:
                    help="EOS is suppressed before this many tokens (long completions from an untrained model, e.g. "
                         "1024 for the GPU shape)")
     p.add_argument("--prefill-questions", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def build_task(seed: int):
+    """The char tokenizer, the reward and a shuffled dataset of distinct "a+b=" prompts."""
+    tokenizer = build_char_tokenizer()
+    digit_ids = {tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)}
+    rng = np.random.default_rng(seed)
+    prompts = sorted({f"{a}+{b}=" for a, b in rng.integers(0, 10**4, size=(4000, 2))})
+    dataset = Dataset.from_dict({"prompt": prompts}).shuffle(seed=seed)
+    return tokenizer, make_reward(tokenizer.eos_token_id, digit_ids), dataset
+
+
+def _cap(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_task_arguments(p)
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per trainer, taken in turns")
     p.add_argument("--warmup-steps", type=int, default=2, help="first steps of each trainer left out of the figures")
     p.add_argument("--device", default="cpu")
     p.add_argument("--bf16", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-trajectory-candidates", type=_cap, default=ExGRPOConfig.max_trajectory_candidates,
                    help="ExGRPOConfig.max_trajectory_candidates (default: the library's, "
                    f"{ExGRPOConfig.max_trajectory_candidates}); 'none' scores every stored trajectory, as the paper")
@@ -251,12 +266,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="also write the figures to this JSON file")
     args = p.parse_args(argv)
 
-    tokenizer = build_char_tokenizer()
-    digit_ids = {tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)}
-    reward = make_reward(tokenizer.eos_token_id, digit_ids)
-    rng = np.random.default_rng(args.seed)
-    prompts = sorted({f"{a}+{b}=" for a, b in rng.integers(0, 10**4, size=(4000, 2))})
-    dataset = Dataset.from_dict({"prompt": prompts}).shuffle(seed=args.seed)
+    tokenizer, reward, dataset = build_task(args.seed)
     common = dict(
         output_dir=tempfile.mkdtemp(prefix="exgrpo-overhead-"),
         per_device_train_batch_size=args.questions_per_step * args.num_generations,

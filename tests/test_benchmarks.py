@@ -82,3 +82,10 @@ def test_candidate_cap_summary_counts_by_hand(candidate_cap):
     # M=1: newest -> A picks 2 (gap 1.0), B picks 1 (same); lowest NLL -> A picks 0 (same), B picks 0 (gap 2.0)
     assert "same pick  50.0% (1/2); gap when not: mean 1.0000, max 1.0000 nats; scores 0.0% of the rows" in lines[4]
     assert "same pick  50.0% (1/2); gap when not: mean 2.0000, max 2.0000 nats; scores 0.0% of the rows" in lines[5]
+
+
+def test_candidate_cap_tiny_run(candidate_cap, capsys):
+    candidate_cap.main(["--hidden-size", "32", "--layers", "1", "--heads", "2", "--questions-per-step", "4",
+                        "--max-completion-length", "8", "--prefill-questions", "8", "--steps", "3", "--caps", "1"])
+    out = capsys.readouterr().out
+    assert "scored selections" in out and "M=1            newest: same pick" in out
