@@ -1,8 +1,9 @@
-"""What `max_trajectory_candidates` changes: how often the lowest-entropy trajectory is among a question's newest M.
+"""What `max_trajectory_candidates` changes: how often a shortlist of M still holds the lowest-entropy trajectory.
 
 ExGRPO (SPEC §6) scores every stored trajectory of a replayed question under the current policy and picks the argmin
-of the mean per-token entropy. With `max_trajectory_candidates=M`, only the question's M most recently stored
-trajectories are scored. This script trains ExGRPOTrainer *uncapped* (the paper's selection drives training) on the
+of the mean per-token entropy. With `max_trajectory_candidates=M`, only a shortlist of M is scored: the library's
+rule takes the M with the lowest stored NLL (`exgrpo_trl.buffer.shortlist_indices`); the M most recently stored
+are shown beside it for comparison. This script trains ExGRPOTrainer *uncapped* (the paper's selection drives training) on the
 synthetic task of `benchmarks/overhead.py`, and at every replay selection also works out which trajectory each cap
 would have picked, from the same entropies. It prints, per M: how often the pick is the same, the mean and largest
 entropy gap (capped pick - true minimum) when it is not, and the share of scoring rows the cap saves.
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import add_task_arguments, build_model, build_task, prefill  # noqa: E402
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer  # noqa: E402
+from exgrpo_trl.buffer import shortlist_indices  # noqa: E402
 
 
 class RecordingExGRPOTrainer(ExGRPOTrainer):
@@ -54,7 +56,7 @@ class RecordingExGRPOTrainer(ExGRPOTrainer):
         start = 0
         for n, trajs in zip(counts, stored):
             self.selections.append(entropies[start : start + n].copy())
-            self.stored_nll.append(np.array([-t.logps.astype(np.float64).mean() for t in trajs]))
+            self.stored_nll.append(np.array([t.stored_nll() for t in trajs]))
             start += n
         return torch.from_numpy(entropies)
 
@@ -73,7 +75,7 @@ def summarise(selections: list[np.ndarray], stored_nll: list[np.ndarray], caps: 
     lines.append(f"age rank of the true argmin (0 = newest stored): {newest}")
     rules = {
         "newest": lambda s, nll, m: np.arange(len(s))[-m:],
-        "lowest stored NLL": lambda s, nll, m: np.argsort(nll, kind="stable")[:m],
+        "lowest stored NLL": lambda s, nll, m: np.array(shortlist_indices(nll, m)),  # the library's rule
     }
     for m in caps:
         for rule, pick in rules.items():

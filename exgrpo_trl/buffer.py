@@ -51,6 +51,18 @@ def gaussian_bucket_probabilities(
     return {k: w / total for k, w in zip(buckets, weights)}
 
 
+def shortlist_indices(stored_nll: Sequence[float], m: int | None, highest: bool = False) -> list[int]:
+    """Indices (ascending) of the `m` lowest stored NLLs (`highest=True`: the `m` highest), ties to the later index.
+
+    With `m` None, or no more values than `m`, every index."""
+    n = len(stored_nll)
+    if m is None or n <= m:
+        return list(range(n))
+    sign = -1.0 if highest else 1.0
+    ranked = sorted(range(n), key=lambda i: (sign * float(stored_nll[i]), -i))
+    return sorted(ranked[:m])
+
+
 def shortlist_candidates(trajectories: Sequence[Trajectory], m: int | None, highest: bool = False) -> list[Trajectory]:
     """The `m` stored trajectories to score for selection (`ExGRPOConfig.max_trajectory_candidates`), in stored order.
 
@@ -61,10 +73,8 @@ def shortlist_candidates(trajectories: Sequence[Trajectory], m: int | None, high
     """
     if m is None or len(trajectories) <= m:
         return list(trajectories)
-    sign = -1.0 if highest else 1.0
-    nll = [-float(np.mean(t.logps, dtype=np.float64)) for t in trajectories]
-    ranked = sorted(range(len(trajectories)), key=lambda i: (sign * nll[i], -i))
-    return [trajectories[i] for i in sorted(ranked[:m])]
+    nll = [t.stored_nll() for t in trajectories]
+    return [trajectories[i] for i in shortlist_indices(nll, m, highest)]
 
 
 @dataclass(slots=True)
@@ -74,6 +84,10 @@ class Trajectory:
     completion_ids: np.ndarray  # (L,) int32, ends with EOS
     logps: np.ndarray  # (L,) float16, log-probs under the policy that generated it (before its update)
     step: int  # global step at which it was collected
+
+    def stored_nll(self) -> float:
+        """Mean -logp over the tokens under the policy that sampled it (no forward pass)."""
+        return -float(np.mean(self.logps, dtype=np.float64))
 
     def __post_init__(self):
         self.completion_ids = np.ascontiguousarray(self.completion_ids, dtype=IDS_DTYPE)
