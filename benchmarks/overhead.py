@@ -36,7 +36,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import Trajectory, question_key
-from exgrpo_trl.toy import build_char_tokenizer, build_tiny_model
+from exgrpo_trl.tasks.toy import build_char_tokenizer, build_tiny_model
 
 TIMED = {
     "plan (sample + broadcast)": "_exgrpo_make_plan",

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.models.utils import disable_gradient_checkpointing
 
 from .buffer import ExperienceBuffer, Trajectory, question_key, shortlist_candidates

@@ -16,13 +16,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from exgrpo_trl.toy import build_char_tokenizer
+    from exgrpo_trl.tasks.toy import build_char_tokenizer
 
     return build_char_tokenizer()
 
 
 def make_model(tokenizer, seed: int = 0):
-    from exgrpo_trl.toy import build_tiny_model
+    from exgrpo_trl.tasks.toy import build_tiny_model
 
     return build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, seed=seed)
 

@@ -3,7 +3,6 @@
 import inspect
 
 import pytest
-import torch
 import trl
 from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler

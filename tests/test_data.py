@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from datasets import Dataset
 
-from exgrpo_trl.data import (
+from exgrpo_trl.tasks.math_data import (
     LUFFY_SYSTEM_PROMPT,
     OPENR1_MATH_46K,
     filter_long_prompts,

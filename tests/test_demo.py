@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from exgrpo_trl import demo
+from exgrpo_trl.cli import demo
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from exgrpo_trl import evaluation as ev
-from exgrpo_trl.data import LUFFY_SYSTEM_PROMPT, load_raw_dataset, luffy_messages
-from exgrpo_trl.evaluation import (
+from exgrpo_trl import eval as ev
+from exgrpo_trl.cli import evaluate as ev_cli
+from exgrpo_trl.cli.evaluate import parse_per_benchmark
+from exgrpo_trl.eval import (
     BENCHMARKS,
     Completion,
     EvalQuestion,
@@ -27,8 +28,9 @@ from exgrpo_trl.evaluation import (
     load_benchmark,
     normalize_reference,
     parse_benchmark_spec,
-    parse_per_benchmark,
+    registry,
 )
+from exgrpo_trl.tasks.math_data import LUFFY_SYSTEM_PROMPT, load_raw_dataset, luffy_messages
 
 DATA = Path(__file__).parent / "data" / "eval"
 
@@ -177,7 +179,7 @@ def test_parse_per_benchmark():
 
 def test_paper_numbers_average_to_the_reported_ones():
     for row, scores in ev.PAPER_RESULTS.items():
-        for group, names in (("in_distribution", ev.IN_DISTRIBUTION), ("out_of_distribution", ev.OUT_OF_DISTRIBUTION)):
+        for group, names in (("in_distribution", registry.IN_DISTRIBUTION), ("out_of_distribution", registry.OUT_OF_DISTRIBUTION)):
             mean = sum(scores[n] for n in names) / len(names)
             assert abs(mean - ev.PAPER_REPORTED_AVERAGES[row][group]) < 0.05 + 1e-9, (row, group, mean)
 
@@ -201,8 +203,8 @@ HUB = {  # name: (Hub id, config, split), as documented on the datasets' cards
 def test_registry():
     assert list(BENCHMARKS) == list(HUB)
     assert {n: (b.hub_id, b.config, b.split) for n, b in BENCHMARKS.items()} == HUB
-    assert ev.IN_DISTRIBUTION == ("aime24", "aime25", "amc", "math500", "minerva", "olympiad")
-    assert ev.OUT_OF_DISTRIBUTION == ("arc_c", "gpqa_diamond", "mmlu_pro")
+    assert registry.IN_DISTRIBUTION == ("aime24", "aime25", "amc", "math500", "minerva", "olympiad")
+    assert registry.OUT_OF_DISTRIBUTION == ("arc_c", "gpqa_diamond", "mmlu_pro")
     assert {n: b.samples for n, b in BENCHMARKS.items() if b.samples != 1} == {"aime24": 32, "aime25": 32, "amc": 32}
 
 
@@ -214,7 +216,7 @@ def test_benchmarks_load_from_the_hub_by_name(monkeypatch):
         bench = next(n for n, spec in HUB.items() if spec == (name_or_path, config, split))
         return load_raw_dataset(str(DATA / f"{bench}.jsonl"))
 
-    monkeypatch.setattr(ev, "load_raw_dataset", fake_load)
+    monkeypatch.setattr(registry, "load_raw_dataset", fake_load)
     for name in BENCHMARKS:
         bench = load_benchmark(name)
         assert bench.source == {"hub_id": HUB[name][0], "config": HUB[name][1], "split": HUB[name][2]}
@@ -224,7 +226,7 @@ def test_benchmarks_load_from_the_hub_by_name(monkeypatch):
     def failing(*args, **kwargs):
         raise ConnectionError("offline")
 
-    monkeypatch.setattr(ev, "load_raw_dataset", failing)
+    monkeypatch.setattr(registry, "load_raw_dataset", failing)
     with pytest.raises(RuntimeError, match=r"--data aime24=PATH"):
         load_benchmark("aime24")
 
@@ -328,13 +330,13 @@ class ScriptedGenerator:
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-    from exgrpo_trl.toy import build_tiny_model_dir
+    from exgrpo_trl.tasks.toy import build_tiny_model_dir
 
     return build_tiny_model_dir(tmp_path_factory.mktemp("tiny"))
 
 
 def _args(*argv):
-    return ev.build_arg_parser().parse_args(list(argv))
+    return ev_cli.build_arg_parser().parse_args(list(argv))
 
 
 def test_scripted_run_gives_the_hand_derived_table(tmp_path, tokenizer):
@@ -342,13 +344,13 @@ def test_scripted_run_gives_the_hand_derived_table(tmp_path, tokenizer):
     out = tmp_path / "out"
     args = _args("--model", "some/model", "--name", "fake", "--data-dir", str(DATA), "--samples", SCRIPT_SAMPLES,
                  "--temperature", "0.6,aime24=1.0", "--max-new-tokens", "64", "--output-dir", str(out))
-    report = ev.run_evaluation(args, generator=generator, tokenizer=tokenizer)
+    report = ev_cli.run_evaluation(args, generator=generator, tokenizer=tokenizer)
 
     results = json.loads((out / "results.json").read_text())
     assert list(results["benchmarks"]) == list(BENCHMARKS)
     assert {n: r["score"] for n, r in results["benchmarks"].items()} == EXPECTED
     assert results["averages"]["in_distribution"] == {
-        "score": pytest.approx((50 + 50 + 37.5 + 50 + 100 + 100) / 6), "benchmarks": list(ev.IN_DISTRIBUTION),
+        "score": pytest.approx((50 + 50 + 37.5 + 50 + 100 + 100) / 6), "benchmarks": list(registry.IN_DISTRIBUTION),
         "complete": True}
     assert results["averages"]["out_of_distribution"]["score"] == pytest.approx(250 / 3)
     aime = results["benchmarks"]["aime24"]
@@ -386,7 +388,7 @@ def test_scripted_run_gives_the_hand_derived_table(tmp_path, tokenizer):
 def test_partial_table_averages_the_paper_over_the_same_benchmarks(tmp_path, tokenizer):
     args = _args("--model", "m", "--name", "fake", "--benchmarks", "aime24,math500,arc_c", "--data-dir", str(DATA),
                  "--samples", "4,math500=1,arc_c=2", "--output-dir", str(tmp_path), "--no-completions")
-    report = ev.run_evaluation(args, generator=ScriptedGenerator(), tokenizer=tokenizer)
+    report = ev_cli.run_evaluation(args, generator=ScriptedGenerator(), tokenizer=tokenizer)
     md = report["markdown"]
     assert "| Model | AIME24 | MATH-500 | ID avg.* | ARC-c | OOD avg.* |" in md
     assert "| ExGRPO (paper, Qwen2.5-Math-7B) | 31.6 | 87.4 | 59.5 | 84.7 | 84.7 |" in md  # (31.6 + 87.4) / 2
@@ -398,10 +400,10 @@ def test_partial_table_averages_the_paper_over_the_same_benchmarks(tmp_path, tok
 
 def test_bad_arguments(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
-        ev.run_evaluation(_args("--model", "m", "--benchmarks", "nope", "--output-dir", str(tmp_path)),
+        ev_cli.run_evaluation(_args("--model", "m", "--benchmarks", "nope", "--output-dir", str(tmp_path)),
                           generator=ScriptedGenerator(), tokenizer=tokenizer)
     with pytest.raises(ValueError, match="not evaluated"):
-        ev.run_evaluation(_args("--model", "m", "--benchmarks", "aime24", "--samples", "amc=4", "--data-dir",
+        ev_cli.run_evaluation(_args("--model", "m", "--benchmarks", "aime24", "--samples", "amc=4", "--data-dir",
                                 str(DATA), "--output-dir", str(tmp_path)), generator=ScriptedGenerator(),
                           tokenizer=tokenizer)
 
@@ -412,7 +414,7 @@ def test_bad_arguments(tmp_path, tokenizer):
 def test_whole_harness_on_a_tiny_model(tmp_path, tokenizer_dir, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "out"
-    assert ev.main(["--model", tokenizer_dir, "--data-dir", str(DATA), "--samples", "2,math500=1",
+    assert ev_cli.main(["--model", tokenizer_dir, "--data-dir", str(DATA), "--samples", "2,math500=1",
                     "--max-new-tokens", "4", "--system-prompt", "", "--backend", "transformers",
                     "--batch-size", "8", "--output-dir", str(out), "--no-progress"]) == 0
     results = json.loads((out / "results.json").read_text())
@@ -482,7 +484,7 @@ def test_vllm_generator_matches_transformers_greedy(tokenizer_dir, tokenizer, tm
 def test_eval_subcommand_is_registered(capsys):
     from exgrpo_trl import cli
 
-    assert cli.SUBCOMMANDS["eval"][0] == "exgrpo_trl.evaluation"
+    assert cli.SUBCOMMANDS["eval"][0] == "exgrpo_trl.cli.evaluate"
     with pytest.raises(SystemExit) as exc:
         cli.main(["eval", "--help"])
     assert exc.value.code == 0
@@ -493,7 +495,7 @@ def test_eval_subcommand_is_registered(capsys):
 # In-training validation
 # ---------------------------------------------------------------------------------------------------------------
 def _toy_validation_set(n: int = 4) -> LoadedBenchmark:
-    from exgrpo_trl.toy import addition_dataset
+    from exgrpo_trl.tasks.toy import addition_dataset
 
     rows = addition_dataset(n, max_digits=2, seed=5)
     questions = [EvalQuestion(str(i), p, [a]) for i, (p, a) in enumerate(zip(rows["prompt"], rows["answer"]))]
@@ -502,7 +504,7 @@ def _toy_validation_set(n: int = 4) -> LoadedBenchmark:
 
 def _train(tmp_path, tokenizer, validate: bool):
     from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
-    from exgrpo_trl.callbacks import ValidationCallback
+    from exgrpo_trl.eval.callback import ValidationCallback
 
     from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
 
@@ -567,8 +569,8 @@ def test_validation_scores_are_the_graders(tmp_path, tokenizer, monkeypatch):
     """With a scripted generator the logged accuracy is exactly the hand-derived avg@k."""
     from types import SimpleNamespace
 
-    from exgrpo_trl import callbacks
-    from exgrpo_trl.callbacks import ValidationCallback
+    from exgrpo_trl.eval import callback as callbacks
+    from exgrpo_trl.eval.callback import ValidationCallback
 
     class Scripted:
         def __init__(self, *args, **kwargs):
@@ -606,8 +608,8 @@ def test_validation_scores_are_the_graders(tmp_path, tokenizer, monkeypatch):
 
 def test_train_script_wires_validation(tmp_path):
     """`exgrpo train` with validation_dataset: eval/<name>/accuracy lands in trainer_state.json every N steps."""
-    from exgrpo_trl.toy import addition_splits, build_tiny_model_dir
-    from exgrpo_trl.train import parse_args, train
+    from exgrpo_trl.cli.train import parse_args, train
+    from exgrpo_trl.tasks.toy import addition_splits, build_tiny_model_dir
 
     toy = tmp_path / "toy"
     build_tiny_model_dir(toy)

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
-from exgrpo_trl.hub import ADAPTER_FILES, push_trained_model
+from exgrpo_trl.utils.hub import ADAPTER_FILES, push_trained_model
 
 from . import hub_stand_in
 from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
@@ -34,7 +34,7 @@ TINY_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu.yaml"
 BUFFER_LINE = re.compile(
     r"Experience buffer at the end of training: (\d+) questions, (\d+) trajectories, (\d+) retired"
 )
-EOS_ID = 1  # of the char tokenizer (exgrpo_trl.toy: <pad>, <eos>, <bos>, <unk>, then the alphabet)
+EOS_ID = 1  # of the char tokenizer (exgrpo_trl.tasks.toy: <pad>, <eos>, <bos>, <unk>, then the alphabet)
 
 
 def short_completion_reward(completion_ids, **kwargs):
@@ -204,7 +204,7 @@ def test_merged_push(lora_trainer, base_dir, tokenizer, hub, tmp_path):
 # `exgrpo train`: the user's choice between the adapter and the merged model
 # ---------------------------------------------------------------------------------------------------------------
 def test_train_cli_rejects_merge_without_peft(tmp_path):
-    from exgrpo_trl import train as train_module
+    from exgrpo_trl.cli import train as train_module
 
     script_args, args, model_args = train_module.parse_args(
         ["--config", str(TINY_RECIPE), "--output_dir", str(tmp_path), "--merge_adapter_on_push", "true"]
@@ -215,8 +215,8 @@ def test_train_cli_rejects_merge_without_peft(tmp_path):
 
 
 def test_train_cli_pushes_merged_lora(tmp_path, hub):
-    from exgrpo_trl import train as train_module
-    from exgrpo_trl.toy import addition_splits, build_tiny_model_dir
+    from exgrpo_trl.cli import train as train_module
+    from exgrpo_trl.tasks.toy import addition_splits, build_tiny_model_dir
 
     toy = tmp_path / "toy"
     build_tiny_model_dir(toy, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)

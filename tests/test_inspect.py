@@ -10,7 +10,7 @@ import pytest
 
 from exgrpo_trl import cli
 from exgrpo_trl.buffer import ExperienceBuffer, Trajectory
-from exgrpo_trl.inspect import main, summarize
+from exgrpo_trl.cli.inspect import main, summarize
 from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, save_state
 
 from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
@@ -96,7 +96,7 @@ def test_reads_only_lengths_and_steps(checkpoint, monkeypatch):
     """Without --verify the token arrays are never read: break every way of reading them and it still works."""
     import safetensors.numpy
 
-    import exgrpo_trl.inspect as inspect_module
+    import exgrpo_trl.cli.inspect as inspect_module
     import exgrpo_trl.state as state_module
 
     def boom(*args, **kwargs):

@@ -1,7 +1,7 @@
 """notebooks/exgrpo_lora_single_gpu.ipynb: executed end to end in its CPU mode with nbclient (tiny local model, toy
 task, LoRA, 20 ExGRPO steps, the plots, the before/after table, the model card, and the Hub push through the local
 stand-in of tests/hub_stand_in.py); its GPU settings built for real; and the notebook's own rules (no logic of its
-own, committed without outputs). Plus the package helpers it calls (exgrpo_trl.plotting, exgrpo_trl.completions)."""
+own, committed without outputs). Plus the package helpers it calls (exgrpo_trl.utils.plotting, exgrpo_trl.eval.completions)."""
 
 from __future__ import annotations
 
@@ -205,7 +205,7 @@ def test_plot_training_draws_each_series(tmp_path):
     import matplotlib.pyplot as plt
 
     from exgrpo_trl.buffer import ExperienceBuffer
-    from exgrpo_trl.plotting import plot_training
+    from exgrpo_trl.utils.plotting import plot_training
 
     history = [
         {"step": s, "reward": r, "exgrpo/batch/pass_at_1": r, "exgrpo/buffer/questions": q,
@@ -232,8 +232,8 @@ def test_plot_training_draws_each_series(tmp_path):
 
 
 def test_sample_and_compare_completions(tokenizer):
-    from exgrpo_trl.completions import compare_completions, question_text, sample_completions
-    from exgrpo_trl.toy import addition_reward
+    from exgrpo_trl.eval.completions import compare_completions, question_text, sample_completions
+    from exgrpo_trl.tasks.toy import addition_reward
 
     from .conftest import make_model
 

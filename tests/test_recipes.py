@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from exgrpo_trl.cli.train import ScriptArguments, parse_args
 from exgrpo_trl.config import ExGRPOConfig
-from exgrpo_trl.train import ScriptArguments, parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -248,7 +248,7 @@ def test_tiny_cpu_recipe_settings():
     assert args.report_to == []  # "none"
     assert script_args.reward_funcs == ["toy_addition"]
     assert model_args.dtype == "float32"
-    assert "python -m exgrpo_trl.toy --out outputs/tiny-toy" in " ".join(header(ROOT / "recipes" / "tiny_cpu.yaml"))
+    assert "python -m exgrpo_trl.tasks.toy --out outputs/tiny-toy" in " ".join(header(ROOT / "recipes" / "tiny_cpu.yaml"))
     assert model_args.model_name_or_path == "outputs/tiny-toy"
     assert script_args.dataset_name == "outputs/tiny-toy/train.jsonl"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from exgrpo_trl import rewards
-from exgrpo_trl.rewards import MathVerifier, answer_section, completion_text, get_reward_funcs, math_reward
+from exgrpo_trl.tasks import rewards
+from exgrpo_trl.tasks.rewards import MathVerifier, answer_section, completion_text, get_reward_funcs, math_reward
 
 DATA = Path(__file__).parent / "data"
 
@@ -190,15 +190,15 @@ def test_an_outer_interval_timer_survives():
 # Registry
 # ---------------------------------------------------------------------------------------------------------------
 def test_registry_by_name_and_by_path():
-    from exgrpo_trl.toy import addition_reward
+    from exgrpo_trl.tasks.toy import addition_reward
 
-    funcs = get_reward_funcs(["math_verify", "toy_addition", "exgrpo_trl.rewards:math_reward"])
+    funcs = get_reward_funcs(["math_verify", "toy_addition", "exgrpo_trl.tasks.rewards:math_reward"])
     assert funcs == [math_reward, addition_reward, math_reward]
     assert get_reward_funcs("toy_addition") == [addition_reward]
     assert sorted(rewards.REWARD_FUNCS) == ["math_verify", "toy_addition"]
 
 
-@pytest.mark.parametrize("name", ["no_such_reward", "exgrpo_trl.rewards:no_such_function", "no_such_module:f"])
+@pytest.mark.parametrize("name", ["no_such_reward", "exgrpo_trl.tasks.rewards:no_such_function", "no_such_module:f"])
 def test_registry_rejects_unknown_names(name):
     with pytest.raises(ValueError, match="math_verify|cannot import"):
         get_reward_funcs([name])

@@ -1,4 +1,4 @@
-"""Unit tests of the toy task (exgrpo_trl.toy): tokenizer, reward, data, tiny model, warm start, evaluation."""
+"""Unit tests of the toy task (exgrpo_trl.tasks.toy): tokenizer, reward, data, tiny model, warm start, evaluation."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from exgrpo_trl import toy
-from exgrpo_trl.toy import (
+from exgrpo_trl.tasks import toy
+from exgrpo_trl.tasks.toy import (
     addition_dataset,
     addition_reward,
     addition_splits,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from exgrpo_trl.train import load_tokenizer, model_init_kwargs, parse_args, resolve_checkpoint
+from exgrpo_trl.cli.train import load_tokenizer, model_init_kwargs, parse_args, resolve_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny_cpu.yaml"
@@ -20,8 +20,8 @@ TINY = ROOT / "recipes" / "tiny_cpu.yaml"
 
 @pytest.fixture(scope="module")
 def toy_dir(tmp_path_factory):
-    """A tiny model + char tokenizer and the toy task, written the way `python -m exgrpo_trl.toy --out` does."""
-    from exgrpo_trl.toy import addition_splits, build_tiny_model_dir
+    """A tiny model + char tokenizer and the toy task, written the way `python -m exgrpo_trl.tasks.toy --out` does."""
+    from exgrpo_trl.tasks.toy import addition_splits, build_tiny_model_dir
 
     out = tmp_path_factory.mktemp("toy")
     build_tiny_model_dir(out)
@@ -85,7 +85,7 @@ def test_peft_comes_from_model_config():
 
 
 def test_missing_model_or_dataset_is_reported():
-    from exgrpo_trl import train as train_module
+    from exgrpo_trl.cli import train as train_module
 
     script_args, args, model_args = parse_args(["--config", str(TINY)])
     model_args.model_name_or_path = None
@@ -154,8 +154,8 @@ def test_tiny_cpu_recipe_trains_evaluates_and_resumes(toy_dir, tmp_path):
     # the saved tokenizer is still the char tokenizer
     assert len(load_tokenizer(str(out))) == 16
 
-    # Same output_dir, more steps: picks up checkpoint-2 by itself and trains only step 3 (python -m exgrpo_trl.train)
-    second = _run("exgrpo_trl.train", toy_dir, out, 3)
+    # Same output_dir, more steps: picks up checkpoint-2 by itself and trains only step 3 (python -m exgrpo_trl.cli.train)
+    second = _run("exgrpo_trl.cli.train", toy_dir, out, 3)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert f"Resuming from checkpoint {out / 'checkpoint-2'}" in second.stdout + second.stderr
     state = json.loads((out / "trainer_state.json").read_text())

@@ -196,7 +196,7 @@ def world_info(trainer) -> dict:
 
 
 def build(out: Path, args, max_steps: int, break_padding: bool = False) -> RecordingTrainer:
-    from exgrpo_trl.toy import build_char_tokenizer
+    from exgrpo_trl.tasks.toy import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     kwargs = config_kwargs(

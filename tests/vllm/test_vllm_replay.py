@@ -6,7 +6,7 @@ Each mode trains a tiny locally built model for a few steps and records, through
 - the plan, the buffer as the plan saw it, and the batch TRL scored;
 - after every weight sync, vLLM's log-probs of a fixed sequence (`prompt_logprobs`) and the trained model's.
 
-The model is Llama-shaped, not the Qwen2 of `exgrpo_trl.toy`: with a Llama config vLLM loads the char tokenizer
+The model is Llama-shaped, not the Qwen2 of `exgrpo_trl.tasks.toy`: with a Llama config vLLM loads the char tokenizer
 saved beside the model as it is, so vLLM stops on our `<eos>` exactly as TRL's tokenizer sees it; with a Qwen2 config
 vLLM loads Qwen's byte-level tokenizer class instead. Hidden 128 with 2 heads (head size 64: vLLM's CPU attention
 has no kernel for head size 16), float32 on both sides (vLLM would otherwise run a float32 checkpoint in bfloat16,
@@ -52,7 +52,7 @@ FIXED_TEXT = "12+34=46"  # + <eos>: the sequence whose log-probs are compared af
 def build_model_dir(path: Path) -> str:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from exgrpo_trl.toy import build_char_tokenizer
+    from exgrpo_trl.tasks.toy import build_char_tokenizer
 
     tokenizer = build_char_tokenizer(save_dir=path)
     ids = {

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, StateFileError, _crc32, read_meta, verify_arrays
+from ..state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, StateFileError, _crc32, read_meta, verify_arrays
 
 # safetensors dtype names -> numpy, for the arrays the state holds
 _DTYPES = {"I32": "int32", "I64": "int64", "F16": "float16", "F32": "float32"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .evaluation import TransformersGenerator, render_prompt
+from .generators import TransformersGenerator, render_prompt
 
 __all__ = ["compare_completions", "question_text", "sample_completions"]
 

@@ -1,7 +1,7 @@
 """`exgrpo train`: train with ExGRPO from a YAML recipe.
 
     exgrpo train --config recipes/qwen7b.yaml
-    accelerate launch --config_file recipes/accelerate/zero3.yaml -m exgrpo_trl.train --config recipes/qwen7b.yaml
+    accelerate launch --config_file recipes/accelerate/zero3.yaml -m exgrpo_trl.cli.train --config recipes/qwen7b.yaml
 
 The recipe is parsed by TRL's `TrlParser` over (`ScriptArguments`, `ExGRPOConfig`, `ModelConfig`): every key of
 the YAML must be a field of one of the three (an unknown key is an error), and command-line flags override the
@@ -13,7 +13,6 @@ the full model, the adapter alone, or with ``merge_adapter_on_push: true`` the a
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -22,14 +21,14 @@ from pathlib import Path
 
 import datasets
 import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from transformers.trainer_utils import get_last_checkpoint
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 from trl import ScriptArguments as TrlScriptArguments
 
-from .config import ExGRPOConfig
-from .data import filter_long_prompts, load_math_dataset
-from .rewards import REWARD_FUNCS, get_reward_funcs
+from ..config import ExGRPOConfig
+from ..tasks.math_data import filter_long_prompts, load_math_dataset
+from ..tasks.rewards import REWARD_FUNCS, get_reward_funcs
+from ..utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +93,7 @@ class ScriptArguments(TrlScriptArguments):
     validation_dataset: list[str] = field(
         default_factory=list,
         metadata={
-            "help": "In-training validation sets (exgrpo_trl.callbacks.ValidationCallback): benchmark names of "
+            "help": "In-training validation sets (exgrpo_trl.eval.callback.ValidationCallback): benchmark names of "
             "`exgrpo eval` (aime24, math500, ..., read from the Hub), NAME=PATH for a local file of that benchmark's "
             "schema (or, for another NAME, a math file with prompt/question/problem + answer), or a PATH. Graded by "
             "the evaluation harness's code and logged as eval/<name>/...; the experience buffer is not touched."
@@ -130,31 +129,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, ExGRPOCo
     """Parse ``--config RECIPE.yaml`` plus command-line overrides (`sys.argv[1:]` when `argv` is None)."""
     script_args, training_args, model_args = build_parser().parse_args_and_config(args=argv)
     return script_args, training_args, model_args
-
-
-def load_tokenizer(name_or_path: str, *, revision: str = "main", trust_remote_code: bool = False):
-    """The tokenizer saved with a model, as the class it was saved as.
-
-    `AutoTokenizer` maps a folder by its model type: on a folder whose config says ``qwen2`` it returns Qwen's
-    byte-level tokenizer even when the folder holds a different (e.g. character-level) tokenizer saved as
-    `PreTrainedTokenizerFast`. For a local folder we therefore honour ``tokenizer_class`` from
-    ``tokenizer_config.json`` when transformers has that class; Hub ids and everything else go through
-    `AutoTokenizer`. Left padding (generation), left truncation.
-    """
-    tokenizer = None
-    config_file = Path(name_or_path) / "tokenizer_config.json"
-    if config_file.is_file():
-        class_name = json.loads(config_file.read_text()).get("tokenizer_class")
-        tokenizer_class = getattr(transformers, class_name, None) if isinstance(class_name, str) else None
-        if isinstance(tokenizer_class, type) and issubclass(tokenizer_class, PreTrainedTokenizerBase):
-            tokenizer = tokenizer_class.from_pretrained(name_or_path)
-    if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
-    tokenizer.padding_side = "left"
-    tokenizer.truncation_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def resolve_checkpoint(training_args: ExGRPOConfig) -> str | None:
@@ -203,8 +177,8 @@ def _setup_logging(training_args: ExGRPOConfig) -> None:
 
 def _attach_validation(trainer, script_args: ScriptArguments, training_args: ExGRPOConfig):
     """In-training validation on `validation_dataset` every `validation_steps` steps (a `ValidationCallback`)."""
-    from .callbacks import ValidationCallback
-    from .evaluation import load_benchmark, parse_benchmark_spec
+    from ..eval.callback import ValidationCallback
+    from ..eval.registry import load_benchmark, parse_benchmark_spec
 
     with training_args.main_process_first(desc="validation data"):
         benchmarks = []
@@ -227,8 +201,8 @@ def _attach_validation(trainer, script_args: ScriptArguments, training_args: ExG
 
 
 def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args: ModelConfig) -> int:
-    from .hub import is_peft_trainer, push_trained_model
-    from .trainer import ExGRPOTrainer  # imported here: parsing recipes does not need the trainer
+    from ..trainer import ExGRPOTrainer  # imported here: parsing recipes does not need the trainer
+    from ..utils.hub import is_peft_trainer, push_trained_model
 
     if not model_args.model_name_or_path:
         raise ValueError("model_name_or_path is required (in the recipe or as --model_name_or_path).")
@@ -330,7 +304,7 @@ def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``exgrpo train ARGS`` and ``python -m exgrpo_trl.train ARGS``."""
+    """Entry point of ``exgrpo train ARGS`` and ``python -m exgrpo_trl.cli.train ARGS``."""
     return train(*parse_args(argv))
 
 

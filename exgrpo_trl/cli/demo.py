@@ -28,6 +28,8 @@ import time
 import warnings
 from pathlib import Path
 
+from ..utils.plotting import moving_average, series
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 DEFAULTS = dict(
@@ -181,25 +183,6 @@ def _progress_callback(desc: str, enabled: bool):
     return _Bar()
 
 
-def series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
-    steps, values = [], []
-    for entry in history:
-        if key in entry and "step" in entry:
-            steps.append(int(entry["step"]))
-            values.append(float(entry[key]))
-    return steps, values
-
-
-def moving_average(values: list[float], window: int) -> list[float]:
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= window:
-            acc -= values[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
-
-
 def _mean(values) -> float | None:
     values = list(values)
     return sum(values) / len(values) if values else None
@@ -240,7 +223,7 @@ def _common_config(settings: dict, output_dir: str) -> dict:
 def _train(kind: str, model, tokenizer, train_set, settings: dict, progress: bool) -> dict:
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    from .toy import addition_reward
+    from ..tasks.toy import addition_reward
 
     output_dir = str(Path(settings["out"]) / "trainer" / kind)
     common = _common_config(settings, output_dir)
@@ -249,8 +232,8 @@ def _train(kind: str, model, tokenizer, train_set, settings: dict, progress: boo
 
         config, trainer_cls, desc = GRPOConfig(**common), GRPOTrainer, "GRPO   (TRL GRPOTrainer)"
     else:
-        from .config import ExGRPOConfig
-        from .trainer import ExGRPOTrainer
+        from ..config import ExGRPOConfig
+        from ..trainer import ExGRPOTrainer
 
         extra = {}
         if settings["replay_ratio"] is not None:
@@ -446,7 +429,7 @@ def _run(settings: dict, progress: bool, out: Path) -> int:
 
     t_total = time.perf_counter()
     with _quiet():
-        from .toy import addition_splits, evaluate_pass_at_1, load_or_train_warm_start, warm_start_is_cached
+        from ..tasks.toy import addition_splits, evaluate_pass_at_1, load_or_train_warm_start, warm_start_is_cached
 
         timings: dict[str, float] = {}
         print(

@@ -7,10 +7,10 @@ import sys
 
 # subcommand -> (module, one-line help). Modules are imported only when their subcommand runs.
 SUBCOMMANDS = {
-    "demo": ("exgrpo_trl.demo", "ExGRPO vs GRPO side by side on a toy task, on a CPU, in minutes"),
-    "train": ("exgrpo_trl.train", "train from a YAML recipe (TrlParser; CLI flags override the recipe)"),
-    "inspect": ("exgrpo_trl.inspect", "summarise the experience buffer saved in a checkpoint (--plot FILE.png)"),
-    "eval": ("exgrpo_trl.evaluation", "the paper's benchmarks (avg@k), results.json + a table beside the paper's"),
+    "demo": ("exgrpo_trl.cli.demo", "ExGRPO vs GRPO side by side on a toy task, on a CPU, in minutes"),
+    "train": ("exgrpo_trl.cli.train", "train from a YAML recipe (TrlParser; CLI flags override the recipe)"),
+    "inspect": ("exgrpo_trl.cli.inspect", "summarise the experience buffer saved in a checkpoint (--plot FILE.png)"),
+    "eval": ("exgrpo_trl.cli.evaluate", "the paper's benchmarks (avg@k), results.json + a table beside the paper's"),
 }
 
 
@@ -32,6 +32,3 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(SUBCOMMANDS[name][0])
     return int(module.main(rest) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

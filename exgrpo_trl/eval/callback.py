@@ -1,5 +1,5 @@
 """In-training validation: every N optimizer steps, sample on validation benchmarks with the policy being trained,
-grade with the evaluation harness's code (`exgrpo_trl.evaluation`), and log ``eval/<benchmark>/...``.
+grade with the evaluation harness's code (`exgrpo_trl.eval`), and log ``eval/<benchmark>/...``.
 
     callback = ValidationCallback([load_benchmark("math500", limit=100)], steps=10)
     callback.attach(trainer)        # or ScriptArguments.validation_dataset in `exgrpo train`
@@ -33,14 +33,9 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback
 
-from .evaluation import (
-    BENCHMARKS,
-    DEFAULT_TEMPERATURE,
-    DEFAULT_TOP_P,
-    LoadedBenchmark,
-    TransformersGenerator,
-    evaluate_benchmark,
-)
+from .generators import TransformersGenerator
+from .registry import BENCHMARKS, DEFAULT_TEMPERATURE, DEFAULT_TOP_P, LoadedBenchmark
+from .report import evaluate_benchmark
 
 __all__ = ["ValidationCallback"]
 
@@ -51,7 +46,7 @@ class ValidationCallback(TrainerCallback):
     """Validate every `steps` optimizer steps (the reference run: 10) on `benchmarks`.
 
     Args:
-        benchmarks: loaded with `evaluation.load_benchmark` (any size; `limit` there keeps it cheap).
+        benchmarks: loaded with `registry.load_benchmark` (any size; `limit` there keeps it cheap).
         steps: validate when ``global_step % steps == 0``; 0 disables.
         samples: completions per question (avg@k); temperature / top_p: SPEC §9's 0.6 / 1.0 by default.
         max_new_tokens: completion budget (the training recipe's ``max_completion_length`` is a natural choice).

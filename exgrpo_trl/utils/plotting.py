@@ -5,10 +5,26 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .demo import moving_average
-from .demo import series
-
 __all__ = ["moving_average", "plot_training", "series"]
+
+
+def series(history: list[dict], key: str) -> tuple[list[int], list[float]]:
+    steps, values = [], []
+    for entry in history:
+        if key in entry and "step" in entry:
+            steps.append(int(entry["step"]))
+            values.append(float(entry[key]))
+    return steps, values
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
 
 
 def plot_training(

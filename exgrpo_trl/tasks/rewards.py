@@ -4,7 +4,7 @@
   mathematically equal to the reference answer according to math-verify, else 0.0. No format bonus. A completion
   without ``</think>`` has no answer section and scores 0 (``MathVerifier(require_think_end=False)`` scores its whole
   text instead). The reference answer is parsed as ``$answer$``, as LUFFY's evaluation script does.
-- ``toy_addition``: exact match for the toy addition task (`exgrpo_trl.toy.addition_reward`).
+- ``toy_addition``: exact match for the toy addition task (`exgrpo_trl.tasks.toy.addition_reward`).
 
 Any other ``module:function`` path is imported as is, so a recipe can use a reward function of its own.
 
@@ -219,7 +219,7 @@ class _Worker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         proc = subprocess.Popen(
-            [sys.executable, "-c", "from exgrpo_trl.rewards import _worker_main; _worker_main()"],
+            [sys.executable, "-c", "from exgrpo_trl.tasks.rewards import _worker_main; _worker_main()"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -366,8 +366,8 @@ def math_reward(completions: Sequence[Any], answer: Sequence[Any] | None = None,
 # ----------------------------------------------------------------------------------------------------------------
 # name -> "module:function", imported on first use (the toy reward pulls in torch; math_verify pulls in sympy).
 REWARD_FUNCS: dict[str, str] = {
-    "math_verify": "exgrpo_trl.rewards:math_reward",
-    "toy_addition": "exgrpo_trl.toy:addition_reward",
+    "math_verify": "exgrpo_trl.tasks.rewards:math_reward",
+    "toy_addition": "exgrpo_trl.tasks.toy:addition_reward",
 }
 
 

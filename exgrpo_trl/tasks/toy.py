@@ -9,7 +9,7 @@ Everything here is built locally (no downloads):
 - `warm_start` / `load_or_train_warm_start`: a short supervised phase to a moderate pass rate, cached on disk.
 - `evaluate_pass_at_1`: sampled pass@1 per question and by difficulty.
 
-Command line: ``python -m exgrpo_trl.toy --out DIR [--warm-start-steps N]`` writes a model folder (model +
+Command line: ``python -m exgrpo_trl.tasks.toy --out DIR [--warm-start-steps N]`` writes a model folder (model +
 tokenizer, loadable with ``AutoModelForCausalLM`` and ``PreTrainedTokenizerFast``) and ``train.jsonl`` /
 ``eval.jsonl`` in DIR.
 """
@@ -521,7 +521,7 @@ def evaluate_pass_at_1(
 
 
 # --------------------------------------------------------------------------------------------------------------
-# python -m exgrpo_trl.toy --out DIR
+# python -m exgrpo_trl.tasks.toy --out DIR
 # --------------------------------------------------------------------------------------------------------------
 def _write_jsonl(dataset: Dataset, path: Path) -> None:
     with open(path, "w") as f:
@@ -531,7 +531,7 @@ def _write_jsonl(dataset: Dataset, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m exgrpo_trl.toy",
+        prog="python -m exgrpo_trl.tasks.toy",
         description="Write a tiny Qwen2 model + char tokenizer (optionally warm-started) and the toy addition "
         "task as train.jsonl / eval.jsonl into one folder.",
     )

@@ -1,0 +1,34 @@
+"""Loading the tokenizer saved with a model, as the class it was saved as."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import transformers
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def load_tokenizer(name_or_path: str, *, revision: str = "main", trust_remote_code: bool = False):
+    """The tokenizer saved with a model, as the class it was saved as.
+
+    `AutoTokenizer` maps a folder by its model type: on a folder whose config says ``qwen2`` it returns Qwen's
+    byte-level tokenizer even when the folder holds a different (e.g. character-level) tokenizer saved as
+    `PreTrainedTokenizerFast`. For a local folder we therefore honour ``tokenizer_class`` from
+    ``tokenizer_config.json`` when transformers has that class; Hub ids and everything else go through
+    `AutoTokenizer`. Left padding (generation), left truncation.
+    """
+    tokenizer = None
+    config_file = Path(name_or_path) / "tokenizer_config.json"
+    if config_file.is_file():
+        class_name = json.loads(config_file.read_text()).get("tokenizer_class")
+        tokenizer_class = getattr(transformers, class_name, None) if isinstance(class_name, str) else None
+        if isinstance(tokenizer_class, type) and issubclass(tokenizer_class, PreTrainedTokenizerBase):
+            tokenizer = tokenizer_class.from_pretrained(name_or_path)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    tokenizer.padding_side = "left"
+    tokenizer.truncation_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
