@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,8 @@ def _json_default(value: Any):
     if isinstance(value, np.ndarray):
         return value.tolist()
     raise TypeError(
-        f"a dataset row stored in the experience buffer holds a value of type {type(value).__name__}, which cannot be saved as "
-        "JSON; keep the training dataset's columns to strings, numbers, lists and dicts"
+        f"a dataset row stored in the experience buffer holds a value of type {type(value).__name__}, which cannot be "
+        "saved as JSON; keep the training dataset's columns to strings, numbers, lists and dicts"
     )
 
 
@@ -232,26 +233,46 @@ def _read_into(fd: int, arrays: list[np.ndarray], offset: int, path: Path, crc: 
     return crc
 
 
+def _read_checked(fd: int, path: Path, data_start: int, entries: dict, meta: dict[str, Any], name: str) -> np.ndarray:
+    """One array of the file, whole, after its CRC-32 is checked against state.json."""
+    dtype, size, begin, _ = entries[name]
+    array = np.empty(size, dtype=dtype)
+    if _read_into(fd, [array], data_start + begin, path) != meta["arrays"][name]["crc32"]:
+        raise StateFileError(f"ExGRPO buffer file is corrupted (checksum of '{name}' differs): {path}")
+    return array
+
+
+def _check_listed(path: Path, meta: dict[str, Any], names) -> None:
+    missing = set(names) - set(meta["arrays"])
+    if missing:
+        raise StateFileError(f"ExGRPO state file lists no arrays {sorted(missing)}: {path.parent / META_FILENAME}")
+
+
+def read_small_arrays(
+    directory: str | os.PathLike, meta: dict[str, Any], names: Iterable[str]
+) -> dict[str, np.ndarray]:
+    """Read only the arrays `names` of `buffer.safetensors` (meant for the per-trajectory "lengths" and "steps", a
+    few bytes per trajectory), each whole, after checking the file's header against state.json, and check their
+    CRC-32s. The other arrays are not read. Raises StateFileError naming the file."""
+    names = tuple(names)
+    path = Path(directory) / STATE_DIRNAME / ARRAYS_FILENAME
+    _check_listed(path, meta, names)
+    data_start, entries = _read_header(path)
+    _check_header(path, entries, meta)
+    with open(path, "rb", buffering=0) as f:
+        return {name: _read_checked(f.fileno(), path, data_start, entries, meta, name) for name in names}
+
+
 def read_trajectories(directory: str | os.PathLike, meta: dict[str, Any]) -> list[Trajectory]:
     """Read every stored trajectory straight from `buffer.safetensors` into its own arrays (no whole-file copy in
     memory), checking sizes against state.json and every array's CRC-32. Raises StateFileError naming the file."""
     path = Path(directory) / STATE_DIRNAME / ARRAYS_FILENAME
-    missing = {"completion_ids", "logps", "lengths", "steps"} - set(meta["arrays"])
-    if missing:
-        raise StateFileError(f"ExGRPO state file lists no arrays {sorted(missing)}: {path.parent / META_FILENAME}")
+    _check_listed(path, meta, ("completion_ids", "logps", "lengths", "steps"))
     data_start, entries = _read_header(path)
     _check_header(path, entries, meta)
-
-    def small(name):
-        dtype, size, begin, _ = entries[name]
-        array = np.empty(size, dtype=dtype)
-        if _read_into(fd, [array], data_start + begin, path) != meta["arrays"][name]["crc32"]:
-            raise StateFileError(f"ExGRPO buffer file is corrupted (checksum of '{name}' differs): {path}")
-        return array
-
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
-        lengths, steps = small("lengths"), small("steps")
+        lengths, steps = (_read_checked(fd, path, data_start, entries, meta, name) for name in ("lengths", "steps"))
         if steps.size != lengths.size or (lengths < 0).any() or int(lengths.sum()) != entries["completion_ids"][1]:
             raise StateFileError(
                 f"ExGRPO state in {path.parent} is inconsistent: {lengths.size} lengths adding up to "

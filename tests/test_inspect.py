@@ -94,6 +94,7 @@ def test_plot(checkpoint, tmp_path, capsys):
 
 def test_reads_only_lengths_and_steps(checkpoint, monkeypatch):
     """Without --verify the token arrays are never read: break every way of reading them and it still works."""
+    import safetensors
     import safetensors.numpy
 
     import exgrpo_trl.cli.inspect as inspect_module
@@ -102,11 +103,20 @@ def test_reads_only_lengths_and_steps(checkpoint, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the whole buffer was read")
 
-    for module, name in [(safetensors.numpy, "load_file"), (state_module, "read_arrays"),
+    for module, name in [(safetensors.numpy, "load_file"), (safetensors, "safe_open"), (state_module, "read_arrays"),
                          (state_module, "read_trajectories"), (state_module, "load_state"),
                          (inspect_module, "verify_arrays")]:
         monkeypatch.setattr(module, name, boom)
+    # every array state.py reads goes through _read_into: count the bytes it is asked for
+    real_read_into, requested = state_module._read_into, []
+
+    def counting_read_into(fd, arrays, *args, **kwargs):
+        requested.append(sum(a.nbytes for a in arrays))
+        return real_read_into(fd, arrays, *args, **kwargs)
+
+    monkeypatch.setattr(state_module, "_read_into", counting_read_into)
     assert summarize(checkpoint)["tokens"] == 27
+    assert requested == [6 * 8, 6 * 8]  # 6 int64 lengths, 6 int64 steps; none of the 27 ids and log-probs
     with pytest.raises(AssertionError, match="whole buffer"):
         summarize(checkpoint, verify=True)
 

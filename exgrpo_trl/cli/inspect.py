@@ -7,7 +7,8 @@
 
 Reads `exgrpo_state/state.json`, the header of `exgrpo_state/buffer.safetensors` and, from its arrays, only the
 per-trajectory lengths and collection steps (a few bytes per trajectory), so it is quick on a buffer of millions of
-tokens and never loads a model, a trainer, torch or trl. A missing, truncated or corrupted state is reported with
+tokens and never loads a model, a trainer, torch or trl. All reading goes through state.py's reader, so inspect
+checks a state exactly as a resume does. A missing, truncated or corrupted state is reported with
 the file it concerns, and the command exits with status 1.
 """
 
@@ -21,10 +22,16 @@ from typing import Any
 
 import numpy as np
 
-from ..state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, StateFileError, _crc32, read_meta, verify_arrays
+from ..state import (
+    ARRAYS_FILENAME,
+    META_FILENAME,
+    STATE_DIRNAME,
+    StateFileError,
+    read_meta,
+    read_small_arrays,
+    verify_arrays,
+)
 
-# safetensors dtype names -> numpy, for the arrays the state holds
-_DTYPES = {"I32": "int32", "I64": "int64", "F16": "float16", "F32": "float32"}
 SMALL_ARRAYS = ("lengths", "steps")  # the only arrays read (one entry per trajectory)
 
 
@@ -47,48 +54,18 @@ def _missing_state_hint(checkpoint: Path) -> str:
     return f"{checkpoint} holds no {STATE_DIRNAME}/ folder (a plain GRPO checkpoint?)"
 
 
-def _read_small_arrays(checkpoint: Path, meta: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Header of buffer.safetensors (name -> dtype, size) checked against state.json, and the per-trajectory
-    arrays, CRC-checked. The token arrays are not read."""
-    from safetensors import SafetensorError, safe_open
-
-    path = checkpoint / STATE_DIRNAME / ARRAYS_FILENAME
-    if not path.is_file():
-        raise StateFileError(f"ExGRPO buffer file is missing: {path}")
-    header, small = {}, {}
-    try:
-        with safe_open(str(path), framework="np") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                view = f.get_slice(name)
-                header[name] = {"dtype": _DTYPES.get(view.get_dtype(), view.get_dtype()),
-                                "size": int(np.prod(view.get_shape(), dtype=np.int64))}
-            for name in SMALL_ARRAYS:
-                if name in header:
-                    small[name] = f.get_tensor(name)
-    except (SafetensorError, OSError, ValueError) as e:
-        raise StateFileError(f"ExGRPO buffer file is truncated or corrupted: {path} ({e})") from e
-    for name, expected in meta["arrays"].items():
-        got = header.get(name)
-        if got is None or got["size"] != expected["size"] or got["dtype"] != expected["dtype"]:
-            raise StateFileError(f"ExGRPO buffer file does not match its state.json (array '{name}'): {path}")
-    for name, array in small.items():
-        if _crc32(array) != meta["arrays"][name]["crc32"]:
-            raise StateFileError(f"ExGRPO buffer file is corrupted (checksum of '{name}' differs): {path}")
-    if set(SMALL_ARRAYS) - set(small):
-        raise StateFileError(f"ExGRPO buffer file lacks the arrays {sorted(set(SMALL_ARRAYS) - set(small))}: {path}")
-    return small, header
-
-
 def summarize(checkpoint: str | Path, *, verify: bool = False) -> dict[str, Any]:
     """The summary `exgrpo inspect` prints, as a dict. Raises StateFileError for a missing or damaged state."""
     checkpoint = _checkpoint_of(Path(checkpoint))
     state_dir = checkpoint / STATE_DIRNAME
     if not (state_dir / META_FILENAME).exists():
-        raise StateFileError(f"ExGRPO state file is missing: {state_dir / META_FILENAME} ({_missing_state_hint(checkpoint)})")
+        hint = _missing_state_hint(checkpoint)
+        raise StateFileError(f"ExGRPO state file is missing: {state_dir / META_FILENAME} ({hint})")
     meta = read_meta(checkpoint)
     if verify:
         verify_arrays(checkpoint, meta)  # every array, every CRC-32, read in chunks
-    small, header = _read_small_arrays(checkpoint, meta)
+    # header checked against state.json, so its sizes and dtypes are those of the file
+    small, arrays = read_small_arrays(checkpoint, meta, SMALL_ARRAYS), meta["arrays"]
     lengths, steps = small["lengths"].astype(np.int64), small["steps"].astype(np.int64)
 
     buffer = meta["buffer"]
@@ -99,12 +76,12 @@ def summarize(checkpoint: str | Path, *, verify: bool = False) -> dict[str, Any]
     except (KeyError, TypeError, ValueError) as e:
         raise StateFileError(f"ExGRPO state file is incomplete ({e!r}): {state_dir / META_FILENAME}") from e
     num_trajectories = sum(n for _, n in questions)
-    num_tokens = int(lengths.sum())
-    if num_trajectories != lengths.size or steps.size != lengths.size or num_tokens != header["completion_ids"]["size"]:
+    num_tokens, num_ids = int(lengths.sum()), arrays["completion_ids"]["size"]
+    if num_trajectories != lengths.size or steps.size != lengths.size or num_tokens != num_ids:
         raise StateFileError(
             f"ExGRPO state in {state_dir} is inconsistent: {num_trajectories} trajectories listed, {lengths.size} "
             f"lengths and {steps.size} steps saved, lengths add up to {num_tokens} tokens for "
-            f"{header['completion_ids']['size']} ids"
+            f"{num_ids} ids"
         )
 
     owner_k = np.repeat(np.array([k for k, _ in questions], dtype=np.int64),
@@ -117,7 +94,7 @@ def summarize(checkpoint: str | Path, *, verify: bool = False) -> dict[str, Any]
             "trajectories": int(in_bucket.sum()),
             "tokens": int(lengths[in_bucket].sum()),
         }
-    itemsize = {name: np.dtype(h["dtype"]).itemsize for name, h in header.items()}
+    itemsize = {name: np.dtype(a["dtype"]).itemsize for name, a in arrays.items()}
     token_bytes = num_tokens * (itemsize["completion_ids"] + itemsize["logps"])
     per_trajectory_bytes = lengths.size * (itemsize["lengths"] + itemsize["steps"])
     files = {name: (state_dir / name).stat().st_size for name in (ARRAYS_FILENAME, META_FILENAME)}
