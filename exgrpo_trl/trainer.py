@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
 import textwrap
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,10 +17,24 @@ from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
-from .buffer import ExperienceBuffer, Trajectory, question_key, shortlist_candidates
+from .buffer import ExperienceBuffer
 from .card import add_section, exgrpo_card_section
 from .config import ExGRPOConfig
 from .loss import SUPPORTED_LOSS_TYPES, aggregate_token_loss, shaped_replay_token_loss
+from .replay import (
+    BatchOutcome,
+    PendingCollection,
+    ReplayPlan,
+    RowAssignment,
+    SkipRetiredSampler,
+    assign_rows,
+    batch_outcome,
+    collect,
+    commit,
+    draw_replay_questions,
+    replay_count,
+    select_lowest,
+)
 from .scoring import masked_mean_per_row, pad_prompt_completion
 from .state import has_state, load_state, save_state
 
@@ -33,77 +48,14 @@ REPLAYED_COLUMN = "exgrpo_replayed"  # column of the completions table marking r
 
 
 @dataclass
-class _ReplayPlan:
-    """What one generation batch replays, identical on every rank."""
+class GenerationBatch:
+    """What one training generation batch hands from hook to hook. Created in `_generate_and_score_completions`
+    before it calls `super()`, filled by the hooks TRL calls from there, and dropped when it returns."""
 
-    group_indices: list[int]  # global group indices whose K rows are given to replayed questions
-    keys: list[str]
-    rows: list[dict[str, Any]]
-    completion_ids: list[list[int]]  # the selected stored trajectory of each replayed group
-    behaviour_logps: list[torch.Tensor]  # (L,) float32 each
-    num_groups: int  # groups in the whole generation batch
-    selected_entropies: list[float] = field(default_factory=list)  # of the scored (>= 2 candidates) questions
-
-
-@dataclass
-class _PendingCollection:
-    """One generation batch's outcome on this rank, committed to the buffer after the first loss pass."""
-
-    groups: list[tuple[int, str, int, dict[str, Any] | None]]  # (global group, key, k, row or None)
-    row_keys: dict[int, tuple[int, str]]  # local row -> (global row, key), rows whose trajectory will be stored
-    trajectories: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)  # local row -> (ids, logps)
-    micro_batches_left: int = 0
-    step: int = 0
-
-
-class _SkipRetiredSampler(torch.utils.data.Sampler):
-    """Wraps TRL's RepeatSampler so that fresh questions are drawn only among those not retired (SPEC §4).
-
-    The inner sampler permutes `num_samples` positions with its own generator; we point those positions at the rows
-    that were not retired when the pass began, so the ordering logic stays TRL's own. An epoch keeps its nominal
-    number of batches (the Trainer sized the run from it, so `max_steps` is honoured): when the remaining questions
-    run out, a new pass over them begins. The questions excluded in each pass of the current epoch are part of the
-    checkpoint, so a resumed run replays the epoch's order exactly.
-    """
-
-    def __init__(self, inner, prompts_fn, retired: set[str]):
-        self.inner = inner
-        self._prompts_fn = prompts_fn
-        self._keys: list[str] | None = None
-        self.retired = retired
-        self.passes: list[frozenset[str]] = []  # questions excluded by each pass of the current epoch
-        self.resume_passes: list[frozenset[str]] | None = None  # set on resume, used by the next epoch's passes
-
-    def __len__(self):
-        return len(self.inner)
-
-    def __iter__(self):
-        resume, self.resume_passes = self.resume_passes or [], None
-        self.passes = []
-        nominal, produced, full = len(self.inner), 0, self.inner.num_samples
-        while produced < nominal:
-            excluded = resume[len(self.passes)] if len(self.passes) < len(resume) else frozenset(self.retired)
-            self.passes.append(excluded)
-            active = range(full)
-            if excluded:
-                if self._keys is None:
-                    self._keys = [question_key(p) for p in self._prompts_fn()]
-                active = [i for i, key in enumerate(self._keys) if key not in excluded]
-                if len(active) < self.inner.batch_size:
-                    logger.warning(
-                        f"ExGRPO: only {len(active)} questions are not retired, fewer than one batch "
-                        f"({self.inner.batch_size}); drawing from the whole dataset again."
-                    )
-                    active = range(full)
-            self.inner.num_samples = len(active)
-            try:
-                for position in self.inner:
-                    yield active[position]
-                    produced += 1
-                    if produced == nominal:
-                        return
-            finally:
-                self.inner.num_samples = full
+    plan: ReplayPlan | None  # what is replayed (the same on every rank)
+    rows: RowAssignment  # this rank's rows: which carry a replayed question, which a stored trajectory
+    completion_ids: list[list[int]] | None = None  # this rank's completions after splicing (`_generate_single_turn`)
+    rewards: torch.Tensor | None = None  # (N_global, F): every rank's rewards, gathered (`_calculate_rewards`)
 
 
 class ExGRPOTrainer(GRPOTrainer):
@@ -115,29 +67,38 @@ class ExGRPOTrainer(GRPOTrainer):
     tokens are weighted by the shaped importance weight f(w) = w / (w + gamma), with no clipping. With
     `replay_ratio=0` training is exactly GRPOTrainer's (the buffer is still tracked, for statistics).
 
-    The constructor is GRPOTrainer's; `args` must be an :class:`~exgrpo_trl.ExGRPOConfig`.
+    The constructor is GRPOTrainer's; `args` must be an :class:`~exgrpo_trl.ExGRPOConfig`. The bookkeeping itself
+    (drawing, row assignment, success counts, collection, the skip-retired sampler) is in `exgrpo_trl.replay`, free
+    of the training loop; this class wires it into TRL's hooks.
 
-    Hooks overridden, each calling `super()`:
+    One training generation batch, in the order the hooks fire (each overridden hook calls `super()`):
+
+    1. `_generate_and_score_completions(inputs)`: commits any outcome still pending; `_exgrpo_make_plan` draws the
+       replayed questions on the main process, broadcasts them, and scores their candidates for entropy on every
+       rank (the same number of forward passes each); `assign_rows` gives the K rows of each replayed group to its
+       question. A `GenerationBatch` holding the plan and the rows is created, then `super()` runs, which calls:
+       2. `_generate_single_turn`: generates the fresh rows (skipping the reserved ones where the backend allows),
+          puts each stored trajectory in its reserved row, and records the completions in the `GenerationBatch`;
+       3. `_calculate_rewards`: records the rewards TRL gathered across ranks in the `GenerationBatch`.
+       TRL then pads, computes old log-probs and advantages over the whole mixed groups as usual.
+    4. Back in `_generate_and_score_completions`, `_exgrpo_after_scoring` reads the success counts, schedules the
+       collection (`PendingCollection`), adds per-row keys to the batch (replay mask, behaviour log-probs, collect
+       mask), checks the delayed start and logs; the `GenerationBatch` is dropped.
+    5. `_compute_loss`, once per micro-batch: `super()` computes TRL's loss with the replayed rows' advantages set
+       to 0 (their tokens add nothing but still count in the normaliser), inside `_exgrpo_capture_logps`, which
+       keeps the policy log-probs of TRL's own forward (`_get_per_token_logps_and_entropies`). The shaped replayed
+       term -f(w) * A is added with the same normaliser. During the first pass over the batch the behaviour
+       log-probs of the rows to store are recorded (TRL's old log-probs, or the detached ones of this pass when
+       TRL skips them); after the last micro-batch of that pass, `_exgrpo_flush` gathers every rank's outcome and
+       commits it to the buffer.
+
+    Also overridden, each calling `super()`:
     - `_get_train_sampler`: wraps TRL's RepeatSampler to skip retired questions from the next epoch on.
-    - `_generate_and_score_completions`: before `super()`, builds the replay plan (questions sampled on the main
-      process and broadcast; stored trajectories scored for entropy on every rank, the same number of forward
-      passes each) and gives the K rows of each replayed group to the stored question; after `super()`, reads each
-      group's success count, schedules collection and retirement, checks the delayed start, adds per-row keys
-      (replay mask, behaviour log-probs) to the batch, and logs `exgrpo/...` metrics.
-    - `_generate_single_turn`: splices the selected stored trajectory into the reserved row of its group right after
-      generation, before decoding, so TRL's own padding, rewards, advantages and masks see the whole mixed group.
-    - `_calculate_rewards`: keeps the rewards it gathers across ranks (success counts come from them).
-    - `_get_per_token_logps_and_entropies`: keeps the policy's log-probs of the loss pass, so the replayed-token
-      term and the behaviour log-probs reuse TRL's forward pass instead of running another.
     - `_save_checkpoint` / `_load_optimizer_and_scheduler`: the buffer and ExGRPO's switches are written into
       each checkpoint folder (safetensors + JSON, atomically) before `super()` saves the rest and may push it, and
       restored on every rank on resume.
     - `create_model_card`: `super()` writes TRL's card (ExGRPO's name, tags and citation come from the class
       attributes); an ExGRPO section with the main settings and the final buffer is added to it.
-    - `_compute_loss`: `super()` computes TRL's loss with the replayed rows' advantages set to 0 (their tokens then
-      add nothing but still count in the normaliser); the shaped replayed-token term -f(w) * A is added with the
-      same normaliser. During the first pass over a generation batch it also records the behaviour log-probs of
-      the trajectories to store (TRL's old log-probs, or the detached log-probs of this pass when TRL skips them).
 
     Not supported yet (rejected at init): tools, `environment_factory`, `rollout_func`, image inputs. Replayed
     tokens are not affected by `top_entropy_quantile`, `off_policy_mask_threshold` or sequence-level importance
@@ -153,7 +114,8 @@ class ExGRPOTrainer(GRPOTrainer):
         "citation": textwrap.dedent("""\
             @article{zhan2025exgrpo,
                 title        = {{ExGRPO: Learning to Reason from Experience}},
-                author       = {Runzhe Zhan and Yafu Li and Zhi Wang and Xiaoye Qu and Dongrui Liu and Jing Shao and Derek F. Wong and Yu Cheng},
+                author       = {Runzhe Zhan and Yafu Li and Zhi Wang and Xiaoye Qu and Dongrui Liu and Jing Shao and
+                                Derek F. Wong and Yu Cheng},
                 year         = 2025,
                 eprint       = {arXiv:2510.02245},
             }"""),
@@ -196,20 +158,17 @@ class ExGRPOTrainer(GRPOTrainer):
         )
         # Training state beside the buffer (persisted with checkpoints).
         self.exgrpo_state = {"replay_active": not cfg.replay_start_pass_rate, "generation_batches": 0}
-        self._exgrpo_splice: dict[int, list[int]] | None = None  # local row -> stored completion ids
-        self._exgrpo_rewards: torch.Tensor | None = None  # (N_global, F) of the last training batch
-        self._exgrpo_completion_ids: list[list[int]] | None = None  # local completions after splicing
-        self._exgrpo_pending: _PendingCollection | None = None
-        self._exgrpo_capture = False
-        self._exgrpo_captured_logps: torch.Tensor | None = None
-        self._exgrpo_sampler: _SkipRetiredSampler | None = None
+        self._exgrpo_batch: GenerationBatch | None = None  # the generation batch being scored
+        self._exgrpo_pending: PendingCollection | None = None  # its outcome, until committed to the buffer
+        self._exgrpo_captured: list[torch.Tensor] | None = None  # open while `_exgrpo_capture_logps` is
+        self._exgrpo_sampler: SkipRetiredSampler | None = None
 
     # ------------------------------------------------------------------------------------------ data
     def _get_train_sampler(self, dataset=None):
         sampler = super()._get_train_sampler(dataset)
         if self.args.replay_ratio > 0 and self.args.skip_retired_questions:
             dataset = self.train_dataset if dataset is None else dataset
-            sampler = _SkipRetiredSampler(sampler, lambda: dataset["prompt"], self.experience_buffer.retired)
+            sampler = SkipRetiredSampler(sampler, lambda: dataset["prompt"], self.experience_buffer.retired)
             previous = getattr(self, "_exgrpo_sampler", None)
             if previous is not None and previous.resume_passes is not None:
                 sampler.resume_passes = previous.resume_passes
@@ -217,10 +176,27 @@ class ExGRPOTrainer(GRPOTrainer):
         return sampler
 
     # ------------------------------------------------------------------------------------------ generation
+    def _generate_and_score_completions(self, inputs):
+        if not self.model.training:  # evaluation never replays and never collects
+            return super()._generate_and_score_completions(inputs)
+
+        self._exgrpo_flush()  # normally already done after the first loss pass; a no-op then
+        plan = self._exgrpo_make_plan(len(inputs))
+        rows = self._exgrpo_apply_plan(inputs, plan)
+        self._pending_extra_logs[REPLAYED_COLUMN].extend(rows.is_replayed(i) for i in range(len(inputs)))
+        batch = self._exgrpo_batch = GenerationBatch(plan, rows)
+        try:
+            output = super()._generate_and_score_completions(rows.inputs)
+        finally:
+            self._exgrpo_batch = None
+        self._exgrpo_after_scoring(batch, output)
+        return output
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        splice = self._exgrpo_splice or {}
+        batch = self._exgrpo_batch  # None outside a training generation batch
+        splice = batch.rows.splice if batch is not None else {}
         rows = list(range(len(prompt_ids)))
-        if self._exgrpo_can_skip_spliced_rows(prompt_ids, images, multimodal_fields):
+        if self._exgrpo_can_skip_spliced_rows(splice, prompt_ids, images, multimodal_fields):
             rows = [i for i in rows if i not in splice]  # do not sample a completion only to discard it
         completion_ids, logprobs = super()._generate_single_turn(
             [prompt_ids[i] for i in rows], images, multimodal_fields, num_generations, has_tool_images
@@ -239,11 +215,11 @@ class ExGRPOTrainer(GRPOTrainer):
                     # correction leaves the replayed row alone (its own weight is applied in the loss).
                     full_logprobs[row] = [None] * len(ids)
             completion_ids, logprobs = full_ids, full_logprobs
-        if self.model.training:
-            self._exgrpo_completion_ids = [list(ids) for ids in completion_ids]
+        if batch is not None:
+            batch.completion_ids = [list(ids) for ids in completion_ids]
         return completion_ids, logprobs
 
-    def _exgrpo_can_skip_spliced_rows(self, prompt_ids, images, multimodal_fields) -> bool:
+    def _exgrpo_can_skip_spliced_rows(self, splice, prompt_ids, images, multimodal_fields) -> bool:
         """Whether the rows a stored trajectory takes can be left out of generation.
 
         Generation backends that take one prompt per row and run no collective tied to the row count can skip them:
@@ -252,95 +228,58 @@ class ExGRPOTrainer(GRPOTrainer):
         colocated tensor parallelism slices equal shares per rank, so there every row is generated and the spliced
         ones discarded. A rank never drops all of its rows.
         """
-        splice = self._exgrpo_splice
         if not splice or images is not None or multimodal_fields or len(splice) >= len(prompt_ids):
             return False
         return not (self.use_vllm and (self.vllm_mode != "colocate" or self.vllm_tensor_parallel_size > 1))
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if self.model.training:
-            self._exgrpo_rewards = rewards_per_func
+        if self._exgrpo_batch is not None:
+            self._exgrpo_batch.rewards = rewards_per_func
         return rewards_per_func
 
-    def _generate_and_score_completions(self, inputs):
-        if not self.model.training:  # evaluation never replays and never collects
-            return super()._generate_and_score_completions(inputs)
-
-        self._exgrpo_flush()  # normally already done after the first loss pass; a no-op then
-        num_local = len(inputs)
-        plan = self._exgrpo_make_plan(num_local)
-        inputs, replay_rows = self._exgrpo_apply_plan(inputs, plan)
-        self._pending_extra_logs[REPLAYED_COLUMN].extend(replay_rows[i] >= 0 for i in range(num_local))
-
-        try:
-            output = super()._generate_and_score_completions(inputs)
-        finally:
-            self._exgrpo_splice = None
-        self._exgrpo_after_scoring(inputs, output, plan, replay_rows)
-        return output
-
     # ------------------------------------------------------------------------------------------ replay plan
-    def _exgrpo_make_plan(self, num_local: int) -> _ReplayPlan | None:
-        """Sample replayed questions on the main process, broadcast them, and select one trajectory per question."""
+    def _exgrpo_make_plan(self, num_local: int) -> ReplayPlan | None:
+        """Draw the replayed questions on the main process, broadcast them, and select one trajectory per question:
+        the lowest (or highest) mean entropy under the current policy among its candidates (SPEC §5-6)."""
         cfg: ExGRPOConfig = self.args
         num_groups = num_local * self.accelerator.num_processes // self.num_generations
         if not (self.exgrpo_state["replay_active"] and cfg.replay_ratio > 0):
             return None
-        payload = None
+        drawn = None
         if self.accelerator.is_main_process:
-            n_exp = min(self.experience_buffer.num_questions, math.floor(cfg.replay_ratio * num_groups + 1e-9))
-            payload = []
-            for key in self.experience_buffer.sample_questions(n_exp):
-                entry = self.experience_buffer.questions[key]
-                candidates = entry.trajectories  # oldest first
-                if cfg.trajectory_selection == "random":  # no scoring, so no shortlist: uniform over all
-                    if len(candidates) > 1:
-                        candidates = [candidates[self.experience_buffer.choose_random(len(candidates))]]
-                else:
-                    candidates = shortlist_candidates(
-                        candidates, cfg.max_trajectory_candidates, cfg.trajectory_selection == "highest_entropy"
-                    )
-                # The stored arrays themselves (int32 ids, float16 log-probs): pickled as raw bytes for the broadcast,
-                # where Python lists cost ~5x the time and twice the bytes (see benchmarks/buffer_memory.py).
-                payload.append((key, entry.row, [(t.completion_ids, t.logps) for t in candidates]))
-        payload = broadcast_object_list([payload])[0]
-        if not payload:
+            n_exp = replay_count(self.experience_buffer.num_questions, cfg.replay_ratio, num_groups)
+            # The stored arrays themselves (int32 ids, float16 log-probs) are pickled as raw bytes for the broadcast,
+            # where Python lists cost ~5x the time and twice the bytes (see benchmarks/buffer_memory.py).
+            drawn = draw_replay_questions(
+                self.experience_buffer,
+                n_exp,
+                trajectory_selection=cfg.trajectory_selection,
+                max_candidates=cfg.max_trajectory_candidates,
+            )
+        drawn = broadcast_object_list([drawn])[0]
+        if not drawn:
             return None
 
         # Entropy scoring of every candidate of the questions that have more than one (all ranks, sharded).
-        scored = [i for i, (_, _, candidates) in enumerate(payload) if len(candidates) > 1]
-        chosen = [0] * len(payload)
+        scored = [i for i, question in enumerate(drawn) if len(question.candidates) > 1]
+        chosen = [0] * len(drawn)
         selected_entropies = []
         if scored and cfg.trajectory_selection != "random":
-            prompt_ids = self._tokenize_prompts([payload[i][1]["prompt"] for i in scored])[0]
+            prompt_ids = self._tokenize_prompts([drawn[i].row["prompt"] for i in scored])[0]
             flat_prompts, flat_completions = [], []
             for j, i in enumerate(scored):
-                for ids, _ in payload[i][2]:
+                for candidate in drawn[i].candidates:
                     flat_prompts.append(prompt_ids[j])
-                    flat_completions.append(ids)
+                    flat_completions.append(candidate.completion_ids)
             entropies = self._exgrpo_score_entropies(flat_prompts, flat_completions)
-            sign = -1.0 if cfg.trajectory_selection == "highest_entropy" else 1.0
             start = 0
             for i in scored:
-                n = len(payload[i][2])
-                scores = entropies[start : start + n]
-                best = int(torch.argmin(sign * scores))
-                chosen[i] = best
-                selected_entropies.append(float(scores[best]))
-                start += n
-
-        n_exp = len(payload)
-        first = num_groups - n_exp  # the last n_exp groups of the batch are replayed
-        return _ReplayPlan(
-            group_indices=list(range(first, num_groups)),
-            keys=[key for key, _, _ in payload],
-            rows=[row for _, row, _ in payload],
-            completion_ids=[payload[i][2][chosen[i]][0].tolist() for i in range(n_exp)],
-            behaviour_logps=[torch.tensor(payload[i][2][chosen[i]][1], dtype=torch.float32) for i in range(n_exp)],
-            num_groups=num_groups,
-            selected_entropies=selected_entropies,
-        )
+                scores = entropies[start : start + len(drawn[i].candidates)]
+                chosen[i] = select_lowest(scores, highest=cfg.trajectory_selection == "highest_entropy")
+                selected_entropies.append(float(scores[chosen[i]]))
+                start += len(drawn[i].candidates)
+        return ReplayPlan.build(drawn, chosen, num_groups, selected_entropies)
 
     @torch.no_grad()
     def _exgrpo_score_entropies(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> torch.Tensor:
@@ -375,106 +314,81 @@ class ExGRPOTrainer(GRPOTrainer):
             for start in range(0, n, chunk_rows):
                 rows = order[start : start + chunk_rows]
                 input_ids, attention_mask, completion_mask = pad_prompt_completion(
-                    [prompt_ids[i] for i in rows], [completion_ids[i] for i in rows], self._tokenizer.pad_token_id,
+                    [prompt_ids[i] for i in rows],
+                    [completion_ids[i] for i in rows],
+                    self._tokenizer.pad_token_id,
                     device=self.accelerator.device,
                 )
                 _, entropies, _ = self._get_per_token_logps_and_entropies(
-                    self.model, input_ids, attention_mask, completion_mask.size(1), batch_size=len(rows),
+                    self.model,
+                    input_ids,
+                    attention_mask,
+                    completion_mask.size(1),
+                    batch_size=len(rows),
                     compute_entropy=True,
                 )
-                means[torch.tensor(rows, device=means.device)] = masked_mean_per_row(entropies.float(), completion_mask)
+                means[torch.tensor(rows, device=means.device)] = masked_mean_per_row(
+                    entropies.float(), completion_mask
+                )
         return means
 
-    def _exgrpo_apply_plan(self, inputs: list[dict], plan: _ReplayPlan | None) -> tuple[list[dict], list[int]]:
-        """Give the K rows of each replayed group to its stored question and reserve the group's first row for the
-        stored trajectory. Returns the new inputs and, per local row, the plan index it replays (-1: fresh)."""
-        replay_rows = [-1] * len(inputs)
-        if plan is None:
-            return inputs, replay_rows
-        inputs = list(inputs)
-        offset = self.accelerator.process_index * len(inputs)
-        k = self.num_generations
-        splice = {}
-        for j, (group, row) in enumerate(zip(plan.group_indices, plan.rows)):
-            for global_row in range(group * k, (group + 1) * k):
-                local = global_row - offset
-                if 0 <= local < len(inputs):
-                    inputs[local] = dict(row)
-                    if global_row == group * k:
-                        replay_rows[local] = j
-                        splice[local] = plan.completion_ids[j]
-        self._exgrpo_splice = splice
-        return inputs, replay_rows
+    def _exgrpo_apply_plan(self, inputs: list[dict], plan: ReplayPlan | None) -> RowAssignment:
+        """This rank's rows with the plan applied (`replay.assign_rows`)."""
+        return assign_rows(inputs, plan, process_index=self.accelerator.process_index, k=self.num_generations)
 
     # ------------------------------------------------------------------------------------------ after scoring
-    def _exgrpo_after_scoring(self, inputs, output, plan: _ReplayPlan | None, replay_rows: list[int]) -> None:
+    def _exgrpo_after_scoring(self, batch: GenerationBatch, output: dict[str, Any]) -> None:
+        """Everything that follows TRL's scoring of one generation batch (step 4 of the class docstring)."""
         cfg: ExGRPOConfig = self.args
-        k_gen = self.num_generations
-        device = output["completion_ids"].device
-        num_local = len(inputs)
-        offset = self.accelerator.process_index * num_local
-
-        # Success of every row of the whole batch, from the rewards TRL gathered across ranks.
-        rewards = self._exgrpo_rewards
-        weights = self.reward_weights.to(rewards.device)
-        total = (rewards * weights.unsqueeze(0)).nansum(dim=1)
-        solved = (total >= cfg.success_reward_threshold) & ~torch.isnan(rewards).all(dim=1)  # (N,)
-        successes = solved.view(-1, k_gen).sum(dim=1).tolist()  # k per global group
-        pass_at_1 = solved.float().mean().item()
-
+        outcome = batch_outcome(batch.rewards, self.reward_weights, cfg.success_reward_threshold, self.num_generations)
         collecting = self.exgrpo_state["replay_active"]  # the state this batch was generated under
-        eos_and_pad = {*self.eos_token_ids, self._tokenizer.pad_token_id}
-        completion_ids = self._exgrpo_completion_ids
-        groups, row_keys = [], {}
-        for local in range(num_local):
-            global_row = offset + local
-            group = global_row // k_gen
-            k = successes[group]
-            key = question_key(inputs[local]["prompt"])
-            if global_row % k_gen == 0 and k > 0:  # the rank holding a group's first row reports the group
-                keep_row = collecting and k < k_gen
-                groups.append((group, key, k, inputs[local] if keep_row else None))
-            if (
-                collecting
-                and 0 < k < k_gen
-                and bool(solved[global_row])
-                and replay_rows[local] < 0
-                and completion_ids[local]
-                and completion_ids[local][-1] in eos_and_pad  # never store a truncated completion
-            ):
-                row_keys[local] = (global_row, key)
         spg = self.args.steps_per_generation
-        self._exgrpo_pending = _PendingCollection(
-            groups=groups,
-            row_keys=row_keys,
+        self._exgrpo_pending = collect(
+            batch.rows,
+            outcome,
+            batch.completion_ids,
+            process_index=self.accelerator.process_index,
+            k=self.num_generations,
+            collecting=collecting,
+            stop_ids={*self.eos_token_ids, self._tokenizer.pad_token_id},
             micro_batches_left=spg - self._step % spg,
             step=self.state.global_step,
         )
+        self._exgrpo_add_row_keys(output, batch, self._exgrpo_pending)
+        self._exgrpo_check_delayed_start(outcome)
+        self._exgrpo_log_batch_metrics(batch, outcome, collecting)
 
-        # Per-row keys for the loss: they follow TRL's shuffle and split of the batch.
+    def _exgrpo_add_row_keys(self, output: dict[str, Any], batch: GenerationBatch, pending: PendingCollection) -> None:
+        """Per-row keys for the loss; TRL's shuffle and split of the batch carry them along with every row."""
+        device = output["completion_ids"].device
+        num_local = len(batch.rows.inputs)
         output["exgrpo_row"] = torch.arange(num_local, device=device)
-        output["exgrpo_collect"] = torch.tensor([i in row_keys for i in range(num_local)], device=device)
-        if plan is not None:
-            replay_mask = torch.tensor([j >= 0 for j in replay_rows], device=device)
-            behaviour = torch.zeros(output["completion_ids"].shape, dtype=torch.float32, device=device)
+        output["exgrpo_collect"] = torch.tensor([i in pending.rows for i in range(num_local)], device=device)
+        if batch.plan is not None:
+            replay_rows = batch.rows.replay_rows
+            behaviour = torch.zeros(output["completion_ids"].shape, dtype=torch.float32, device=device)  # (B, T)
             for local, j in enumerate(replay_rows):
                 if j >= 0:
-                    logps = plan.behaviour_logps[j]
+                    logps = batch.plan.behaviour_logps[j]
                     behaviour[local, : logps.numel()] = logps.to(device)
-            output["exgrpo_replay_mask"] = replay_mask
+            output["exgrpo_replay_mask"] = torch.tensor([j >= 0 for j in replay_rows], device=device)
             output["exgrpo_behaviour_logps"] = behaviour
 
-        # Delayed start (SPEC §7): judged on a purely on-policy batch, effective from the next generation batch.
-        if not self.exgrpo_state["replay_active"] and pass_at_1 > (cfg.replay_start_pass_rate or 0.0):
+    def _exgrpo_check_delayed_start(self, outcome: BatchOutcome) -> None:
+        """SPEC §7: judged on a purely on-policy batch, effective from the next generation batch, then stays on."""
+        threshold = self.args.replay_start_pass_rate or 0.0
+        if not self.exgrpo_state["replay_active"] and outcome.pass_at_1 > threshold:
             self.exgrpo_state["replay_active"] = True
-            logger.info(f"ExGRPO: batch Pass@1 {pass_at_1:.3f} > {cfg.replay_start_pass_rate}: replay starts.")
+            logger.info(f"ExGRPO: batch Pass@1 {outcome.pass_at_1:.3f} > {threshold}: replay starts.")
         self.exgrpo_state["generation_batches"] += 1
 
+    def _exgrpo_log_batch_metrics(self, batch: GenerationBatch, outcome: BatchOutcome, collecting: bool) -> None:
         metrics = self._metrics["train"]
+        plan = batch.plan
         n_exp = len(plan.group_indices) if plan is not None else 0
         metrics[METRIC_PREFIX + "replay/active"].append(float(collecting))
-        metrics[METRIC_PREFIX + "replay/fraction"].append(n_exp / max(1, len(successes)))
-        metrics[METRIC_PREFIX + "batch/pass_at_1"].append(pass_at_1)
+        metrics[METRIC_PREFIX + "replay/fraction"].append(n_exp / max(1, len(outcome.successes)))
+        metrics[METRIC_PREFIX + "batch/pass_at_1"].append(outcome.pass_at_1)
         if plan is not None and plan.selected_entropies:
             mean_entropy = sum(plan.selected_entropies) / len(plan.selected_entropies)
             metrics[METRIC_PREFIX + "replay/selected_entropy"].append(mean_entropy)
@@ -502,21 +416,18 @@ class ExGRPOTrainer(GRPOTrainer):
         if not keep_pending:
             self._exgrpo_pending = None
         trajectories = [
-            (pending.row_keys[local][0], pending.row_keys[local][1], ids, logps)
+            (pending.rows[local].global_row, pending.rows[local].key, ids, logps)
             for local, (ids, logps) in pending.trajectories.items()
         ]
         pending.trajectories = {}
         gathered = gather_object([(pending.groups, trajectories)])
-        groups = sorted(g for rank_groups, _ in gathered for g in rank_groups)
-        by_key: dict[str, list[Trajectory]] = {}
-        if self.accelerator.is_main_process:
-            for global_row, key, ids, logps in sorted(t for _, rank_trajs in gathered for t in rank_trajs):
-                by_key.setdefault(key, []).append(Trajectory(ids, logps, pending.step))
-        for _, key, k, row in groups:
-            if self.accelerator.is_main_process:
-                self.experience_buffer.update_group(key, k, row, by_key.pop(key, ()))
-            elif k == self.num_generations:  # other ranks keep only the retired set (for the sampler)
-                self.experience_buffer.retire(key)
+        commit(
+            self.experience_buffer,
+            gathered,
+            step=pending.step,
+            is_main_process=self.accelerator.is_main_process,
+            k=self.num_generations,
+        )
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def _exgrpo_trainer_state(self) -> dict[str, Any]:
@@ -527,7 +438,9 @@ class ExGRPOTrainer(GRPOTrainer):
         # Written into the checkpoint folder BEFORE super() saves the rest and may start the Hub upload of it.
         self._exgrpo_flush(keep_pending=True)
         if self.args.should_save:
-            checkpoint = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+            checkpoint = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
             save_state(checkpoint, self.experience_buffer, self._exgrpo_trainer_state())
         super()._save_checkpoint(model, trial)
 
@@ -561,20 +474,30 @@ class ExGRPOTrainer(GRPOTrainer):
             self._exgrpo_sampler.resume_passes = [frozenset(p) for p in saved.get("sampler_passes", [])]
 
     # ------------------------------------------------------------------------------------------ loss
+    @contextlib.contextmanager
+    def _exgrpo_capture_logps(self):
+        """Within the block, the policy log-probs of every `_get_per_token_logps_and_entropies` call are kept (in the
+        yielded list), so that the replayed-token term reuses TRL's forward pass instead of running another."""
+        self._exgrpo_captured = captured = []
+        try:
+            yield captured
+        finally:
+            self._exgrpo_captured = None
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
-        if self._exgrpo_capture:
-            self._exgrpo_captured_logps = logps
+        if self._exgrpo_captured is not None:
+            self._exgrpo_captured.append(logps)
         return logps, entropies, aux_loss
 
     def _compute_loss(self, model, inputs):
         training = self.model.training
         replay = training and "exgrpo_replay_mask" in inputs
         pending = self._exgrpo_pending
-        collect = training and pending is not None and pending.micro_batches_left > 0 and "exgrpo_row" in inputs
-        if not (replay or collect):
+        collect_now = training and pending is not None and pending.micro_batches_left > 0 and "exgrpo_row" in inputs
+        if not (replay or collect_now):
             return super()._compute_loss(model, inputs)
 
         inputs_for_trl = inputs
@@ -582,14 +505,11 @@ class ExGRPOTrainer(GRPOTrainer):
             replay_mask = inputs["exgrpo_replay_mask"]  # (B,)
             # Replayed rows add nothing to TRL's fresh-token loss but still count in its normaliser.
             inputs_for_trl = {**inputs, "advantages": inputs["advantages"].masked_fill(replay_mask, 0.0)}
-        self._exgrpo_capture = True
-        try:
+        with self._exgrpo_capture_logps() as captured:
             loss = super()._compute_loss(model, inputs_for_trl)
-            per_token_logps = self._exgrpo_captured_logps  # (B, T), with grad
-        finally:
-            self._exgrpo_capture, self._exgrpo_captured_logps = False, None
+        per_token_logps = captured[-1]  # (B, T), with grad: the policy forward of this loss pass
 
-        if collect:
+        if collect_now:
             self._exgrpo_record_behaviour_logps(inputs, per_token_logps)
         if replay:
             loss = loss + self._exgrpo_replay_loss(inputs, per_token_logps)

@@ -46,8 +46,16 @@ def launch(config: str, out: Path, *script_args: str, timeout: float = LAUNCH_TI
         "HF_HUB_OFFLINE": "1",
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
     }
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "ACCELERATE_USE_CPU", "ACCELERATE_USE_DEEPSPEED"):
+    for var in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "ACCELERATE_USE_CPU",
+        "ACCELERATE_USE_DEEPSPEED",
+    ):
         env.pop(var, None)  # leftovers of an enclosing launch must not leak into this one
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
@@ -203,7 +211,7 @@ def test_checkpoint_holds_rank0_buffer_and_resume_restores_it_on_every_rank(run)
     from exgrpo_trl.buffer import ExperienceBuffer
     from exgrpo_trl.state import load_state
 
-    from .mp.train_replay import buffer_hash, retired_hash
+    from .recording import buffer_hash, retired_hash
 
     out, (r0, r1) = run
     saved = ExperienceBuffer(8)
@@ -227,5 +235,16 @@ def test_negative_control_unpadded_shares_hang_under_zero3(tmp_path):
     """The harness catches a hang: scoring 2B+1 candidates in unpadded shares (2 forward passes on rank 0, 1 on
     rank 1) never finishes under ZeRO-3, and the launch is killed at its timeout."""
     with pytest.raises(LaunchTimeout):
-        launch("zero3_cpu.yaml", tmp_path, "--expect", "zero3", "--uneven", "--break-padding", "--max-steps", "2",
-               "--save-steps", "100", timeout=90)
+        launch(
+            "zero3_cpu.yaml",
+            tmp_path,
+            "--expect",
+            "zero3",
+            "--uneven",
+            "--break-padding",
+            "--max-steps",
+            "2",
+            "--save-steps",
+            "100",
+            timeout=90,
+        )

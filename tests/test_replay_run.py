@@ -7,48 +7,22 @@ import torch
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import question_key
-from exgrpo_trl.trainer import REPLAYED_COLUMN
+from exgrpo_trl.replay import RowAssignment
+from exgrpo_trl.trainer import REPLAYED_COLUMN, GenerationBatch
 
 from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
-
-
-class RecordingTrainer(ExGRPOTrainer):
-    """Records, per generation batch, the buffer as the plan saw it, the plan, and the batch TRL scored."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.batches = []
-
-    def _exgrpo_make_plan(self, num_local):
-        buffer = self.experience_buffer
-        snapshot = {
-            "questions": buffer.num_questions,
-            "trajectories": {k: [t.completion_ids.tolist() for t in e.trajectories] for k, e in buffer.questions.items()},
-            "retired": set(buffer.retired),
-            "active": self.exgrpo_state["replay_active"],
-        }
-        plan = super()._exgrpo_make_plan(num_local)
-        self.batches.append({"before": snapshot, "plan": plan})
-        return plan
-
-    def _exgrpo_apply_plan(self, inputs, plan):
-        inputs, replay_rows = super()._exgrpo_apply_plan(inputs, plan)
-        self.batches[-1]["prompts"] = [x["prompt"] for x in inputs]
-        return inputs, replay_rows
-
-    def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
-        if self.model.training:
-            self.batches[-1]["output"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in output.items()}
-            self.batches[-1]["after"] = self.experience_buffer.num_trajectories
-        return output
+from .recording import RecordingTrainer
 
 
 def run(tmp_path, tokenizer, dataset=None, **overrides):
     kwargs = config_kwargs(tmp_path, **{"replay_start_pass_rate": 0.0, **overrides})
-    trainer = RecordingTrainer(model=make_model(tokenizer), reward_funcs=make_reward(tokenizer),
-                               args=ExGRPOConfig(**kwargs), train_dataset=dataset or synthetic_dataset(),
-                               processing_class=tokenizer)
+    trainer = RecordingTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=make_reward(tokenizer),
+        args=ExGRPOConfig(**kwargs),
+        train_dataset=dataset or synthetic_dataset(),
+        processing_class=tokenizer,
+    )
     trainer.train()
     return trainer
 
@@ -90,13 +64,19 @@ def test_mixed_groups(replay_run):
 
 
 def test_buffer_grows_and_metrics_logged(replay_run):
-    sizes = [b["after"] for b in replay_run.batches]
+    sizes = [b["buffer_after"] for b in replay_run.batches]
     assert sizes[0] == 0 and sizes[-1] > sizes[1] > 0, sizes  # collection lands after each batch's first pass
     history = [h for h in replay_run.state.log_history if "loss" in h]
     expected = {
-        "exgrpo/buffer/questions", "exgrpo/buffer/trajectories", "exgrpo/buffer/retired", "exgrpo/replay/active",
-        "exgrpo/replay/fraction", "exgrpo/replay/selected_entropy", "exgrpo/replay/is_weight_mean",
-        "exgrpo/replay/is_weight_max", "exgrpo/replay/shaped_weight_mean",
+        "exgrpo/buffer/questions",
+        "exgrpo/buffer/trajectories",
+        "exgrpo/buffer/retired",
+        "exgrpo/replay/active",
+        "exgrpo/replay/fraction",
+        "exgrpo/replay/selected_entropy",
+        "exgrpo/replay/is_weight_mean",
+        "exgrpo/replay/is_weight_max",
+        "exgrpo/replay/shaped_weight_mean",
     } | {f"exgrpo/buffer/bucket_{b}" for b in range(1, 8)}
     assert expected <= set(history[-1]), expected - set(history[-1])
     assert history[-1]["exgrpo/replay/fraction"] == 0.5
@@ -112,13 +92,15 @@ def test_behaviour_logps_are_the_generating_policys(tmp_path, tokenizer):
     trainer = run(tmp_path, tokenizer, max_steps=3, learning_rate=0.0)
     model = trainer.model.eval()
     checked = 0
-    for key, entry in trainer.experience_buffer.questions.items():
+    for entry in trainer.experience_buffer.questions.values():
         prompt_ids = tokenizer(entry.row["prompt"])["input_ids"]
         for t in entry.trajectories:
             ids = torch.tensor([prompt_ids + t.completion_ids.tolist()])
             with torch.no_grad():
                 logits = model(ids).logits[0, len(prompt_ids) - 1 : -1]
-            reference = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(t.completion_ids).long()[:, None])
+            reference = torch.log_softmax(logits.float(), -1).gather(
+                -1, torch.tensor(t.completion_ids).long()[:, None]
+            )
             stored = torch.tensor(t.logps.astype("float32"))
             assert torch.allclose(stored, reference[:, 0], atol=2e-3, rtol=1e-3)
             checked += 1
@@ -155,7 +137,7 @@ def test_delayed_start(tmp_path, tokenizer):
     expected = [any(p > 0.35 for p in pass_at_1[:i]) for i in range(4)]
     assert active == expected and True in active and active[0] is False, (pass_at_1, active)
     switch = active.index(True)
-    assert all(b["after"] == 0 for b in on.batches[:switch])  # nothing collected before the switch
+    assert all(b["buffer_after"] == 0 for b in on.batches[:switch])  # nothing collected before the switch
     assert on.experience_buffer.num_trajectories > 0 and on.exgrpo_state["replay_active"]
     off = run(tmp_path / "off", tokenizer, max_steps=3, replay_start_pass_rate=0.95)
     assert all(b["plan"] is None for b in off.batches)
@@ -174,8 +156,15 @@ def test_evaluation_never_replays_or_collects(tmp_path, tokenizer):
 
 @pytest.mark.parametrize("selection", ["random", "highest_entropy"])
 def test_selection_ablations_run(tmp_path, tokenizer, selection):
-    trainer = run(tmp_path, tokenizer, max_steps=3, trajectory_selection=selection, question_selection="uniform",
-                  policy_shaping_gamma=None, replay_importance_correction=False)
+    trainer = run(
+        tmp_path,
+        tokenizer,
+        max_steps=3,
+        trajectory_selection=selection,
+        question_selection="uniform",
+        policy_shaping_gamma=None,
+        replay_importance_correction=False,
+    )
     assert any(b["plan"] is not None for b in trainer.batches)
 
 
@@ -191,9 +180,13 @@ def test_selection_ablations_run(tmp_path, tokenizer, selection):
 def test_spliced_rows_are_not_generated(tmp_path, tokenizer, monkeypatch, backend, generated):
     from trl import GRPOTrainer
 
-    trainer = ExGRPOTrainer(model=make_model(tokenizer), reward_funcs=make_reward(tokenizer),
-                            args=ExGRPOConfig(**config_kwargs(tmp_path)), train_dataset=synthetic_dataset(),
-                            processing_class=tokenizer)
+    trainer = ExGRPOTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=make_reward(tokenizer),
+        args=ExGRPOConfig(**config_kwargs(tmp_path)),
+        train_dataset=synthetic_dataset(),
+        processing_class=tokenizer,
+    )
     seen = []
 
     def fake_generate(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -205,7 +198,7 @@ def test_spliced_rows_are_not_generated(tmp_path, tokenizer, monkeypatch, backen
     for name, value in backend.items():
         setattr(trainer, name, value)
     prompts = [[10], [11], [12], [13]]  # one marker token per row
-    trainer._exgrpo_splice = {0: [7, 7, 7], 3: [8]}
+    trainer._exgrpo_batch = GenerationBatch(None, RowAssignment([{}] * 4, [0, -1, -1, 1], {0: [7, 7, 7], 3: [8]}))
     ids, logprobs = trainer._generate_single_turn(prompts, None, {}, 8)
     assert seen == [[10 + i for i in generated]]
     assert ids == [[7, 7, 7], [11, 2], [12, 2], [8]]
@@ -213,6 +206,6 @@ def test_spliced_rows_are_not_generated(tmp_path, tokenizer, monkeypatch, backen
 
     # a rank whose rows are all spliced still generates (ZeRO-3's synced decoding needs every rank in `generate`)
     seen.clear()
-    trainer._exgrpo_splice = {0: [7], 1: [7], 2: [7], 3: [7]}
+    trainer._exgrpo_batch = GenerationBatch(None, RowAssignment([{}] * 4, [0, 1, 2, 3], {i: [7] for i in range(4)}))
     trainer._generate_single_turn(prompts, None, {}, 8)
     assert seen == [[10, 11, 12, 13]]

@@ -21,9 +21,7 @@ Options are plain argv flags so the launch command stays short.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import math
 import os
 import resource
 import sys
@@ -37,25 +35,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np
 import torch
 
-from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
-from exgrpo_trl.buffer import ExperienceBuffer
+from exgrpo_trl import ExGRPOConfig
 from tests.conftest import config_kwargs, make_model, make_reward, synthetic_dataset
-
-
-def buffer_hash(buffer: ExperienceBuffer) -> str:
-    """A hash of the whole buffer state: arrays byte for byte and metadata (rows, buckets, retired, generator)."""
-    arrays, meta = buffer.state_dict()
-    h = hashlib.sha256()
-    for name in sorted(arrays):
-        h.update(name.encode())
-        h.update(str(arrays[name].dtype).encode())
-        h.update(np.ascontiguousarray(arrays[name]).tobytes())
-    h.update(json.dumps(meta, sort_keys=True, default=str).encode())
-    return h.hexdigest()
-
-
-def retired_hash(buffer: ExperienceBuffer) -> str:
-    return hashlib.sha256(json.dumps(sorted(buffer.retired)).encode()).hexdigest()
+from tests.recording import RecordingTrainer, buffer_summary, plan_digest
 
 
 def rss_mb() -> float:
@@ -66,117 +48,15 @@ def rss_mb() -> float:
     return float("nan")
 
 
-class RecordingTrainer(ExGRPOTrainer):
-    """Counts forward passes through the model (outside generation) and records plans, scoring and flushes."""
-
-    def __init__(self, *args, break_padding: bool = False, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.rec = {"plans": [], "steps": [], "flushes": [], "scoring": []}
-        self._break_padding = break_padding
-        self._generating = False
-        self._forwards = 0  # forward passes through the model outside generation
-        self._scoring_forwards = 0
-        self._in_scoring = False
-        self._step_marks = (0, 0)
-        self.model.register_forward_pre_hook(self._count_forward)
-
-    def _count_forward(self, module, args):
-        if not self._generating:
-            self._forwards += 1
-            if self._in_scoring:
-                self._scoring_forwards += 1
-
-    def _generate_single_turn(self, *args, **kwargs):
-        # Generation may stop at a different length on each rank (all sequences finished): not counted.
-        self._generating = True
-        try:
-            return super()._generate_single_turn(*args, **kwargs)
-        finally:
-            self._generating = False
-
-    def _exgrpo_make_plan(self, num_local):
-        plan = super()._exgrpo_make_plan(num_local)
-        entry = {"step": self.state.global_step, "plan": None}
-        if plan is not None:
-            h = hashlib.sha256()
-            h.update(json.dumps([plan.group_indices, plan.keys, plan.completion_ids, plan.num_groups]).encode())
-            for logps in plan.behaviour_logps:
-                h.update(logps.numpy().tobytes())
-            entry["plan"] = h.hexdigest()
-            entry["num_replayed"] = len(plan.keys)
-        self.rec["plans"].append(entry)
-        return plan
-
-    def _exgrpo_score_entropies(self, prompt_ids, completion_ids):
-        before = self._scoring_forwards
-        self._in_scoring = True
-        try:
-            result = self._score(prompt_ids, completion_ids)
-        finally:
-            self._in_scoring = False
-        self.rec["scoring"].append(
-            {
-                "step": self.state.global_step,
-                "candidates": len(completion_ids),
-                "forwards": self._scoring_forwards - before,
-                "entropies": [round(float(x), 6) for x in result],
-            }
-        )
-        return result
-
-    def _score(self, prompt_ids, completion_ids):
-        if not self._break_padding:
-            return super()._exgrpo_score_entropies(prompt_ids, completion_ids)
-        # Negative control: the same contiguous shares, without padding them to the same number of rows, so with
-        # 2B+1 candidates one rank runs two forward passes and the other one (what ZeRO-3 cannot survive).
-        from accelerate.utils import gather_object
-
-        total, world, rank = len(completion_ids), self.accelerator.num_processes, self.accelerator.process_index
-        per_rank = math.ceil(total / world)
-        mine = list(range(rank * per_rank, min((rank + 1) * per_rank, total)))
-        values = []
-        if mine:
-            values = self._exgrpo_mean_entropies([prompt_ids[i] for i in mine], [completion_ids[i] for i in mine])
-            values = values.tolist()
-        return torch.tensor([x for part in gather_object([values]) for x in part])
-
-    def _exgrpo_flush(self, keep_pending: bool = False):
-        pending = self._exgrpo_pending
-        if pending is not None:
-            self.rec["flushes"].append(
-                {
-                    "step": self.state.global_step,
-                    "trajectories": [
-                        [pending.row_keys[local][1], ids] for local, (ids, _) in sorted(pending.trajectories.items())
-                    ],
-                    "groups": [[g, key, k] for g, key, k, _ in pending.groups],
-                }
-            )
-        super()._exgrpo_flush(keep_pending=keep_pending)
-
-    def training_step(self, *args, **kwargs):
-        loss = super().training_step(*args, **kwargs)
-        forwards, scoring = self._forwards - self._step_marks[0], self._scoring_forwards - self._step_marks[1]
-        self._step_marks = (self._forwards, self._scoring_forwards)
-        self.rec["steps"].append({"step": self.state.global_step, "forwards": forwards, "scoring_forwards": scoring})
-        return loss
-
-    def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None:
-            self.rec["after_load"] = buffer_summary(self.experience_buffer) | {"exgrpo_state": dict(self.exgrpo_state)}
-
-
-def buffer_summary(buffer: ExperienceBuffer) -> dict:
-    return {
-        "questions": buffer.num_questions,
-        "trajectories": buffer.num_trajectories,
-        "tokens": buffer.num_tokens,
-        "retired": sorted(buffer.retired),
-        "retired_hash": retired_hash(buffer),
-        "state_hash": buffer_hash(buffer),
-        "stored": {key: [t.completion_ids.tolist() for t in e.trajectories] for key, e in buffer.questions.items()},
-    }
+def plans(trainer: RecordingTrainer) -> list[dict]:
+    """Per generation batch: the step, a hash of the plan, and how many questions it replays."""
+    out = []
+    for batch in trainer.batches:
+        entry = {"step": batch["step"], "plan": plan_digest(batch["plan"])}
+        if batch["plan"] is not None:
+            entry["num_replayed"] = len(batch["plan"].keys)
+        out.append(entry)
+    return out
 
 
 def world_info(trainer) -> dict:
@@ -230,14 +110,15 @@ def uneven_scoring(trainer: RecordingTrainer) -> list[dict]:
     chunk = trainer.args.per_device_train_batch_size
     prompts = [tokenizer(f"{i % 10}+{i % 7}=")["input_ids"] for i in range(2 * chunk + 1)]
     rng = np.random.default_rng(0)
-    completions = [rng.integers(4, 16, size=int(rng.integers(1, 9))).tolist() + [tokenizer.eos_token_id]
-                   for _ in prompts]
+    completions = [
+        rng.integers(4, 16, size=int(rng.integers(1, 9))).tolist() + [tokenizer.eos_token_id] for _ in prompts
+    ]
     results = []
     trainer.model.eval()
     for n in (1, 3, 2 * chunk + 1):
-        before = trainer._scoring_forwards
+        before = trainer.scoring_forwards
         sharded = trainer._exgrpo_score_entropies(prompts[:n], completions[:n])
-        forwards = trainer._scoring_forwards - before
+        forwards = trainer.scoring_forwards - before
         trainer._in_scoring = True  # every rank scores all n here: the same forward passes again
         try:
             full = trainer._exgrpo_mean_entropies(prompts[:n], completions[:n]).cpu()
@@ -286,6 +167,7 @@ def main() -> int:
         assert record["world"]["engine"] == "DistributedDataParallel", record["world"]
     record["train_seconds"] = time.time() - t0
     record.update(trainer.rec)
+    record["plans"] = plans(trainer)
     record["buffer"] = buffer_summary(trainer.experience_buffer)
     record["exgrpo_state"] = dict(trainer.exgrpo_state)
     record["global_step"] = trainer.state.global_step
@@ -301,7 +183,7 @@ def main() -> int:
         record["resumed"] = {
             "after_load": resumed.rec.get("after_load"),
             "global_step": resumed.state.global_step,
-            "plans": resumed.rec["plans"],
+            "plans": plans(resumed),
             "steps": resumed.rec["steps"],
             "buffer": buffer_summary(resumed.experience_buffer),
         }

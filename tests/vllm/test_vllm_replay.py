@@ -81,44 +81,6 @@ def build_model_dir(path: Path) -> str:
     return str(path)
 
 
-# ---------------------------------------------------------------------------------------------------- recording
-def _make_trainer_class():
-    from exgrpo_trl import ExGRPOTrainer
-
-    class RecordingTrainer(ExGRPOTrainer):
-        """Records, per training generation batch, the buffer the plan saw, the plan, the rows and TRL's batch."""
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.batches: list[dict] = []
-
-        def _generate_and_score_completions(self, inputs):
-            if self.model.training:
-                self.batches.append({"engine_calls": [], "syncs": []})
-            output = super()._generate_and_score_completions(inputs)
-            if self.model.training:
-                self.batches[-1]["output"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in output.items()}
-                self.batches[-1]["buffer_after"] = self.experience_buffer.num_trajectories
-            return output
-
-        def _exgrpo_make_plan(self, num_local):
-            buffer = self.experience_buffer
-            self.batches[-1]["before"] = {
-                key: [t.completion_ids.tolist() for t in entry.trajectories] for key, entry in buffer.questions.items()
-            }
-            plan = super()._exgrpo_make_plan(num_local)
-            self.batches[-1]["plan"] = plan
-            return plan
-
-        def _exgrpo_apply_plan(self, inputs, plan):
-            inputs, replay_rows = super()._exgrpo_apply_plan(inputs, plan)
-            self.batches[-1]["prompts"] = [x["prompt"] for x in inputs]
-            self.batches[-1]["splice"] = dict(self._exgrpo_splice or {})
-            return inputs, replay_rows
-
-    return RecordingTrainer
-
-
 def _fixed_ids(tokenizer) -> list[int]:
     return tokenizer(FIXED_TEXT)["input_ids"] + [tokenizer.eos_token_id]
 
@@ -353,7 +315,9 @@ def run_exgrpo(mode: str, work: Path) -> dict:
         )
         started = time.monotonic()
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        trainer = _make_trainer_class()(
+        from ..recording import RecordingTrainer
+
+        trainer = RecordingTrainer(
             model=model,
             reward_funcs=make_reward(tokenizer),
             args=args,
@@ -440,7 +404,9 @@ def test_stored_trajectories_spliced_into_the_right_rows(vllm_run):
     for batch in vllm_run["batches"]:
         plan, out, sent = batch["plan"], batch["output"], batch["vllm"]
         position = sent_position(batch, vllm_run["mode"])
-        n_exp = min(len(batch["before"]), GROUPS // 2)  # rho = 0.5: floor(0.5 * 4 groups), at most the buffer's size
+        n_exp = min(
+            batch["before"]["questions"], GROUPS // 2
+        )  # rho = 0.5: floor(0.5 * 4 groups), at most the buffer's size
         assert (len(plan.group_indices) if plan else 0) == n_exp
         mask = out.get("exgrpo_replay_mask", torch.zeros(K * GROUPS, dtype=torch.bool))
         replay_rows = {g * K: j for j, g in enumerate(plan.group_indices)} if plan else {}
@@ -453,7 +419,7 @@ def test_stored_trajectories_spliced_into_the_right_rows(vllm_run):
                 j = replay_rows[row]
                 key = plan.keys[j]
                 assert ids == plan.completion_ids[j]  # the selected stored trajectory, token for token
-                assert ids in batch["before"][key]  # ... stored for that very question
+                assert ids in batch["before"]["trajectories"][key]  # ... stored for that very question
                 assert batch["prompts"][row] == plan.rows[j]["prompt"]
                 replayed += 1
             else:

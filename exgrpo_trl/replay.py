@@ -1,0 +1,295 @@
+"""The replay bookkeeping of one generation batch (SPEC §2-5, §7), free of the training loop.
+
+No trl, transformers or accelerate imports (`scripts/check_imports.py` enforces it): everything here works on plain
+lists, dicts, numpy arrays and CPU tensors, and is tested directly in `tests/test_replay.py`. `trainer.py` calls these
+from TRL's hooks and adds what needs the model or the other ranks (entropy scoring, broadcasts, gathers).
+
+One generation batch, in order:
+1. `replay_count` and `draw_replay_questions` (main process): which questions to replay, and the stored trajectories
+   offered for selection of each (the shortlist).
+2. `select_lowest` per question, over the entropies the trainer scored; `ReplayPlan.build` fixes the plan.
+3. `assign_rows`: each replayed group's K rows get its question; its first row is reserved for the stored trajectory.
+4. `batch_outcome`: success per row and count k per group, from the rewards TRL gathered across ranks.
+5. `collect`: what to commit to the buffer (groups and the rows whose trajectories are stored) once the behaviour
+   log-probs are known; `commit` applies the gathered outcome of every rank to the buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .buffer import ExperienceBuffer, Trajectory, question_key, shortlist_candidates
+
+logger = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------------ 1. drawing
+def replay_count(buffer_questions: int, replay_ratio: float, num_groups: int) -> int:
+    """n_exp = min(#questions in the buffer, floor(rho * #groups)) (SPEC §5). The epsilon keeps 0.5 * 6 at 3."""
+    return min(buffer_questions, math.floor(replay_ratio * num_groups + 1e-9))
+
+
+@dataclass
+class ReplayQuestion:
+    """A question drawn for replay, with the dataset row it is re-scored with and its candidate trajectories."""
+
+    key: str
+    row: dict[str, Any]
+    candidates: list[Trajectory]  # in stored order (oldest first)
+
+
+def draw_replay_questions(
+    buffer: ExperienceBuffer, n: int, *, trajectory_selection: str, max_candidates: int | None
+) -> list[ReplayQuestion]:
+    """Sample `n` questions from the buffer (SPEC §5) and shortlist each one's candidates (SPEC §6).
+
+    `random` selection draws its one trajectory here, uniformly over all stored ones, and scores nothing; the other
+    rules keep at most `max_candidates`, ranked by stored log-likelihood (`buffer.shortlist_candidates`).
+    """
+    drawn = []
+    for key in buffer.sample_questions(n):
+        entry = buffer.questions[key]
+        candidates = entry.trajectories
+        if trajectory_selection == "random":
+            if len(candidates) > 1:
+                candidates = [candidates[buffer.choose_random(len(candidates))]]
+        else:
+            candidates = shortlist_candidates(candidates, max_candidates, trajectory_selection == "highest_entropy")
+        drawn.append(ReplayQuestion(key, entry.row, list(candidates)))
+    return drawn
+
+
+# ------------------------------------------------------------------------------------------------ 2. the plan
+def select_lowest(scores: torch.Tensor, highest: bool = False) -> int:
+    """Index of the lowest score (`highest=True`: the highest); the first one on ties, as `argmin` does."""
+    return int(torch.argmin(-scores if highest else scores))
+
+
+@dataclass
+class ReplayPlan:
+    """What one generation batch replays, identical on every rank. The last `len(keys)` groups are replayed."""
+
+    group_indices: list[int]  # global group indices whose K rows are given to replayed questions
+    keys: list[str]
+    rows: list[dict[str, Any]]
+    completion_ids: list[list[int]]  # the selected stored trajectory of each replayed group
+    behaviour_logps: list[torch.Tensor]  # (L,) float32 each
+    num_groups: int  # groups in the whole generation batch
+    selected_entropies: list[float] = field(default_factory=list)  # of the scored (>= 2 candidates) questions
+
+    @classmethod
+    def build(
+        cls, drawn: Sequence[ReplayQuestion], chosen: Sequence[int], num_groups: int, selected_entropies=()
+    ) -> ReplayPlan:
+        """The plan from the drawn questions and the index of each one's chosen candidate."""
+        picked = [question.candidates[c] for question, c in zip(drawn, chosen)]
+        return cls(
+            group_indices=list(range(num_groups - len(drawn), num_groups)),
+            keys=[question.key for question in drawn],
+            rows=[question.row for question in drawn],
+            completion_ids=[t.completion_ids.tolist() for t in picked],
+            behaviour_logps=[torch.tensor(t.logps, dtype=torch.float32) for t in picked],
+            num_groups=num_groups,
+            selected_entropies=list(selected_entropies),
+        )
+
+
+# ------------------------------------------------------------------------------------------------ 3. rows
+@dataclass
+class RowAssignment:
+    """This rank's rows after the plan is applied."""
+
+    inputs: list[dict[str, Any]]  # the dataset rows, replayed groups' rows replaced by their question's
+    replay_rows: list[int]  # per local row: the plan index whose stored trajectory it carries, -1 for a fresh row
+    splice: dict[int, list[int]]  # local row -> stored completion ids to put in place of a generated one
+
+    def is_replayed(self, local: int) -> bool:
+        return self.replay_rows[local] >= 0
+
+
+def assign_rows(inputs: Sequence[dict], plan: ReplayPlan | None, *, process_index: int, k: int) -> RowAssignment:
+    """Give the K rows of each replayed group to its question and reserve the group's first row for its stored
+    trajectory. Rank r holds global rows r * len(inputs) ... (r + 1) * len(inputs) - 1 (TRL's contiguous split)."""
+    inputs = list(inputs)
+    replay_rows = [-1] * len(inputs)
+    splice: dict[int, list[int]] = {}
+    if plan is None:
+        return RowAssignment(inputs, replay_rows, splice)
+    offset = process_index * len(inputs)
+    for j, (group, row) in enumerate(zip(plan.group_indices, plan.rows)):
+        for global_row in range(group * k, (group + 1) * k):
+            local = global_row - offset
+            if 0 <= local < len(inputs):
+                inputs[local] = dict(row)
+                if global_row == group * k:
+                    replay_rows[local] = j
+                    splice[local] = plan.completion_ids[j]
+    return RowAssignment(inputs, replay_rows, splice)
+
+
+# ------------------------------------------------------------------------------------------------ 4. outcome
+@dataclass
+class BatchOutcome:
+    """Success of every row of the whole generation batch (global row order)."""
+
+    solved: torch.Tensor  # (N,) bool
+    successes: list[int]  # k per global group
+    pass_at_1: float  # fraction of all rows solved
+
+
+def batch_outcome(
+    rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, threshold: float, k: int
+) -> BatchOutcome:
+    """A row is solved when its weighted total reward reaches `threshold` (SPEC §2); NaN rewards (a function that
+    returned None) count as 0, and a row with every reward NaN is never solved. `rewards_per_func`: (N, F)."""
+    total = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)  # (N,)
+    solved = (total >= threshold) & ~torch.isnan(rewards_per_func).all(dim=1)  # (N,)
+    return BatchOutcome(solved, solved.view(-1, k).sum(dim=1).tolist(), solved.float().mean().item())
+
+
+# ------------------------------------------------------------------------------------------------ 5. collection
+@dataclass
+class GroupOutcome:
+    """One group's result, reported by the rank that holds the group's first row."""
+
+    group: int  # global group index
+    key: str
+    k: int  # successes out of K
+    row: dict[str, Any] | None  # the dataset row to store with the question (None: nothing to store)
+
+
+@dataclass
+class StoredRow:
+    """A row whose completion will be stored once its behaviour log-probs are known."""
+
+    global_row: int
+    key: str
+
+
+@dataclass
+class PendingCollection:
+    """One generation batch's outcome on this rank, committed to the buffer after the first loss pass over it."""
+
+    groups: list[GroupOutcome]
+    rows: dict[int, StoredRow]  # local row -> where it goes
+    micro_batches_left: int  # loss passes until every row of the batch has been seen once
+    step: int  # the global step the trajectories are collected at
+    trajectories: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)  # local row -> (ids, logps)
+
+
+def collect(
+    rows: RowAssignment,
+    outcome: BatchOutcome,
+    completion_ids: Sequence[Sequence[int]],
+    *,
+    process_index: int,
+    k: int,
+    collecting: bool,
+    stop_ids: set[int],
+    micro_batches_left: int,
+    step: int,
+) -> PendingCollection:
+    """What this rank will commit (SPEC §2, §4): every group with k > 0 (K/K retires it; before the delayed start
+    only retirement counts), and, while collecting, the solved fresh rows of groups with 0 < k < K whose completion
+    ends with a stop token (a truncated completion is never stored)."""
+    num_local = len(rows.inputs)
+    offset = process_index * num_local
+    groups, stored = [], {}
+    for local in range(num_local):
+        global_row = offset + local
+        group = global_row // k
+        successes = outcome.successes[group]
+        key = question_key(rows.inputs[local]["prompt"])
+        if global_row % k == 0 and successes > 0:
+            keep_row = collecting and successes < k
+            groups.append(GroupOutcome(group, key, successes, rows.inputs[local] if keep_row else None))
+        ids = completion_ids[local]
+        if (
+            collecting
+            and 0 < successes < k
+            and bool(outcome.solved[global_row])
+            and not rows.is_replayed(local)
+            and ids
+            and ids[-1] in stop_ids
+        ):
+            stored[local] = StoredRow(global_row, key)
+    return PendingCollection(groups, stored, micro_batches_left, step)
+
+
+def commit(
+    buffer: ExperienceBuffer,
+    gathered: Sequence[tuple[list[GroupOutcome], list[tuple[int, str, list[int], list[float]]]]],
+    *,
+    step: int,
+    is_main_process: bool,
+    k: int,
+) -> None:
+    """Apply every rank's (groups, trajectories) to the buffer, in global row order so that every world size builds
+    the same buffer. Only the main process holds trajectories; the others keep the retired set (for the sampler)."""
+    groups = sorted((g for rank_groups, _ in gathered for g in rank_groups), key=lambda g: g.group)
+    by_key: dict[str, list[Trajectory]] = {}
+    if is_main_process:
+        for _, key, ids, logps in sorted(t for _, rank_trajectories in gathered for t in rank_trajectories):
+            by_key.setdefault(key, []).append(Trajectory(ids, logps, step))
+    for g in groups:
+        if is_main_process:
+            buffer.update_group(g.key, g.k, g.row, by_key.pop(g.key, ()))
+        elif g.k == k:
+            buffer.retire(g.key)
+
+
+# ------------------------------------------------------------------------------------------------ sampler
+class SkipRetiredSampler(torch.utils.data.Sampler):
+    """Wraps TRL's RepeatSampler so that fresh questions are drawn only among those not retired (SPEC §4).
+
+    The inner sampler permutes `num_samples` positions with its own generator; we point those positions at the rows
+    that were not retired when the pass began, so the ordering logic stays TRL's own. An epoch keeps its nominal
+    number of batches (the Trainer sized the run from it, so `max_steps` is honoured): when the remaining questions
+    run out, a new pass over them begins. The questions excluded in each pass of the current epoch are part of the
+    checkpoint, so a resumed run replays the epoch's order exactly.
+    """
+
+    def __init__(self, inner, prompts_fn: Callable[[], Sequence[Any]], retired: set[str]):
+        self.inner = inner
+        self._prompts_fn = prompts_fn
+        self._keys: list[str] | None = None
+        self.retired = retired
+        self.passes: list[frozenset[str]] = []  # questions excluded by each pass of the current epoch
+        self.resume_passes: list[frozenset[str]] | None = None  # set on resume, used by the next epoch's passes
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __iter__(self):
+        resume, self.resume_passes = self.resume_passes or [], None
+        self.passes = []
+        nominal, produced, full = len(self.inner), 0, self.inner.num_samples
+        while produced < nominal:
+            excluded = resume[len(self.passes)] if len(self.passes) < len(resume) else frozenset(self.retired)
+            self.passes.append(excluded)
+            active = range(full)
+            if excluded:
+                if self._keys is None:
+                    self._keys = [question_key(p) for p in self._prompts_fn()]
+                active = [i for i, key in enumerate(self._keys) if key not in excluded]
+                if len(active) < self.inner.batch_size:
+                    logger.warning(
+                        f"ExGRPO: only {len(active)} questions are not retired, fewer than one batch "
+                        f"({self.inner.batch_size}); drawing from the whole dataset again."
+                    )
+                    active = range(full)
+            self.inner.num_samples = len(active)
+            try:
+                for position in self.inner:
+                    yield active[position]
+                    produced += 1
+                    if produced == nominal:
+                        return
+            finally:
+                self.inner.num_samples = full
