@@ -11,10 +11,10 @@ GB of host memory), then prints:
   buffer holds included: rows, buckets, per-trajectory objects) and the token data alone (int32 id + float16
   log-prob); the per-trajectory constant is what the RSS growth adds above the token data;
 - time to build one step's replay plan for 64 questions on the main process, median wall and CPU time:
-  `sample_questions(64)` alone; `ExGRPOTrainer._exgrpo_make_plan` itself on a stand-in trainer (draw the questions,
-  gather every candidate trajectory of each into the payload broadcast to the ranks, pick one per question, build
-  the plan; the entropy forward pass, which runs on the accelerator, stubbed); and the same with the broadcast's
-  pickling and unpickling of the payload;
+  `sample_questions(64)` alone; the trainer's own plan functions (`exgrpo_trl.replay`: draw the questions, shortlist
+  the candidate trajectories of each that are broadcast to the ranks, pick one per question, build the plan; the
+  entropy forward pass, which runs on the accelerator, stubbed), with every stored trajectory a candidate unless
+  ``--max-candidates``; and the same with the broadcast's pickling and unpickling of the drawn questions;
 - checkpoint save and load time (`save_state` / `load_state`, safetensors + JSON, CRC-checked; each repeated, the
   loads in fresh processes as on resume), the file sizes, the loaded buffer's resident memory, and what a non-main
   rank loads on resume (the retired set only);
@@ -40,13 +40,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from exgrpo_trl.buffer import ExperienceBuffer, Trajectory
+from exgrpo_trl.replay import ReplayPlan, draw_replay_questions, select_lowest
 from exgrpo_trl.state import ARRAYS_FILENAME, load_state, save_state
 
 TARGET_BYTES_PER_TOKEN = 6.0
@@ -104,44 +105,23 @@ def fill(buffer: ExperienceBuffer, num_trajectories: int, length: int, seed: int
     return question
 
 
-def trainer_plan_fn(buffer: ExperienceBuffer, n: int, broadcast_pickle: bool):
-    """`ExGRPOTrainer._exgrpo_make_plan` itself, on a stand-in for the trainer: main process of a world of 1, a
-    generation batch of 2n groups at rho = 0.5 (n replayed questions), lowest-entropy selection with the entropy
-    forward pass stubbed (it runs on the accelerator, not the host). With `broadcast_pickle` the broadcast pickles
-    and unpickles the payload, as torch's broadcast_object_list does on the sending and receiving ranks."""
-    import torch
-    from accelerate import PartialState
-
-    import exgrpo_trl.trainer as trainer_module
-
-    PartialState()  # broadcast_object_list reads the (single-process) state
-    if broadcast_pickle:
-        trainer_module.broadcast_object_list = lambda objs: pickle.loads(pickle.dumps(objs))
-    else:
-        trainer_module.broadcast_object_list = lambda objs: objs
-    k_gen = buffer.num_generations
-    stub = SimpleNamespace(
-        args=SimpleNamespace(replay_ratio=0.5, trajectory_selection="lowest_entropy"),
-        accelerator=SimpleNamespace(num_processes=1, process_index=0, is_main_process=True),
-        num_generations=k_gen,
-        exgrpo_state={"replay_active": True},
-        experience_buffer=buffer,
-        _tokenize_prompts=lambda prompts: ([[1, 2, 3, 4]] * len(prompts), None, {}),
-        _exgrpo_score_entropies=lambda prompts, completions: torch.zeros(len(completions)),
-    )
+def plan_fn(buffer: ExperienceBuffer, n: int, broadcast_pickle: bool, max_candidates: int | None):
+    """The main process's share of one replay plan, through the functions `ExGRPOTrainer._exgrpo_make_plan` calls
+    (`exgrpo_trl.replay`): draw n questions and shortlist their candidates, pick one per question, build the plan,
+    for a generation batch of 2n groups (rho = 0.5). The entropy forward pass, which runs on the accelerator, is
+    replaced by zeros. With `broadcast_pickle` the drawn questions are pickled and unpickled, as torch's
+    broadcast_object_list does on the sending and receiving ranks."""
 
     def make():
-        plan = trainer_module.ExGRPOTrainer._exgrpo_make_plan(stub, 2 * n * k_gen)
-        assert plan is not None and len(plan.keys) == n
+        drawn = draw_replay_questions(buffer, n, trajectory_selection="lowest_entropy", max_candidates=max_candidates)
+        if broadcast_pickle:
+            drawn = pickle.loads(pickle.dumps([drawn]))[0]
+        chosen = [select_lowest(torch.zeros(len(q.candidates))) for q in drawn]
+        plan = ReplayPlan.build(drawn, chosen, 2 * n)
+        assert len(plan.keys) == n
         return plan
 
     return make
-
-
-def payload_of(buffer: ExperienceBuffer, n: int) -> list:
-    """What the main process broadcasts for n questions (the same structure as the trainer's payload)."""
-    return [(key, buffer.questions[key].row, [(t.completion_ids, t.logps) for t in buffer.questions[key].trajectories])
-            for key in buffer.sample_questions(n)]
 
 
 def _secs(times: list[float]) -> str:
@@ -171,20 +151,39 @@ def load_only(checkpoint: str, num_generations: int) -> None:
     load_s = time.perf_counter() - t
     gc.collect()
     growth = rss_bytes() - base
-    summary = {"questions": restored.num_questions, "trajectories": restored.num_trajectories,
-               "tokens": restored.num_tokens, "buckets": restored.bucket_counts(), "retired": len(restored.retired)}
+    summary = {
+        "questions": restored.num_questions,
+        "trajectories": restored.num_trajectories,
+        "tokens": restored.num_tokens,
+        "buckets": restored.bucket_counts(),
+        "retired": len(restored.retired),
+    }
     step = max(1, restored.num_questions // 50)
-    probe = {key: [hashlib.sha256(t.completion_ids.tobytes() + t.logps.tobytes()).hexdigest() for t in e.trajectories]
-             for key, e in list(restored.questions.items())[::step]}
+    probe = {
+        key: [hashlib.sha256(t.completion_ids.tobytes() + t.logps.tobytes()).hexdigest() for t in e.trajectories]
+        for key, e in list(restored.questions.items())[::step]
+    }
     other = ExperienceBuffer(num_generations)
     before = rss_bytes()
     t = time.perf_counter()
     load_state(checkpoint, other, with_trajectories=False)
     other_s = time.perf_counter() - t
     gc.collect()
-    print(json.dumps({"load_s": load_s, "growth": growth, "peak": peak_rss_bytes(), "summary": summary,
-                      "probe": probe, "other_s": other_s, "other_growth": rss_bytes() - before,
-                      "other_retired": len(other.retired), "other_trajectories": other.num_trajectories}))
+    print(
+        json.dumps(
+            {
+                "load_s": load_s,
+                "growth": growth,
+                "peak": peak_rss_bytes(),
+                "summary": summary,
+                "probe": probe,
+                "other_s": other_s,
+                "other_growth": rss_bytes() - before,
+                "other_retired": len(other.retired),
+                "other_trajectories": other.num_trajectories,
+            }
+        )
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,6 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--plan-questions", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=50, help="plans timed (median reported)")
+    parser.add_argument(
+        "--max-candidates",
+        type=int,
+        default=None,
+        help="max_trajectory_candidates (default: every stored trajectory, the paper's rule and the "
+        "costliest; the library's default is 4)",
+    )
     parser.add_argument("--dir", help="where to write the checkpoint (default: a temporary folder, removed after)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--io-repeats", type=int, default=3, help="checkpoint saves and loads timed (median reported)")
@@ -216,27 +222,34 @@ def main(argv: list[str] | None = None) -> int:
     num_traj = buffer.num_trajectories
     growth = filled - base
     data = tokens * (np.dtype(np.int32).itemsize + np.dtype(np.float16).itemsize)
-    print(f"buffer: {questions:,} questions, {num_traj:,} trajectories x {args.length:,} tokens = {tokens:,} tokens, "
-          f"{len(buffer.retired):,} retired, buckets {buffer.bucket_counts()} (filled in {fill_s:.1f} s)")
+    print(
+        f"buffer: {questions:,} questions, {num_traj:,} trajectories x {args.length:,} tokens = {tokens:,} tokens, "
+        f"{len(buffer.retired):,} retired, buckets {buffer.bucket_counts()} (filled in {fill_s:.1f} s)"
+    )
     print(f"resident memory: {gib(base)} before, {gib(filled)} after: +{gib(growth)} for the buffer")
-    print(f"bytes per stored token: {growth / tokens:.3f} measured (RSS growth / tokens, everything included); "
-          f"{data / tokens:.3f} of token data (int32 id + float16 log-prob); "
-          f"{(growth - data) / num_traj:.0f} bytes per trajectory on top (objects, rows, buckets)")
+    print(
+        f"bytes per stored token: {growth / tokens:.3f} measured (RSS growth / tokens, everything included); "
+        f"{data / tokens:.3f} of token data (int32 id + float16 log-prob); "
+        f"{(growth - data) / num_traj:.0f} bytes per trajectory on top (objects, rows, buckets)"
+    )
 
     # ---------------------------------------------------------------- replay plan
     n = args.plan_questions
     sample = buffer.sample_questions
     sample_ms, sample_max, sample_cpu = timed(lambda: sample(n), args.repeats)
-    plan_ms, plan_max, plan_cpu = timed(trainer_plan_fn(buffer, n, broadcast_pickle=False), args.repeats)
-    plan_bc_ms, plan_bc_max, plan_bc_cpu = timed(trainer_plan_fn(buffer, n, broadcast_pickle=True), args.repeats)
-    payload = payload_of(buffer, n)
-    candidates = sum(len(c) for _, _, c in payload)
-    pickled = len(pickle.dumps([payload]))
-    print(f"replay plan, {n} questions (~{candidates} candidate trajectories), wall median [max] / CPU median of "
-          f"{args.repeats}: sample_questions {sample_ms:.2f} [{sample_max:.2f}] / {sample_cpu:.2f} ms; "
-          f"ExGRPOTrainer._exgrpo_make_plan (entropy forward stubbed) {plan_ms:.2f} [{plan_max:.2f}] / "
-          f"{plan_cpu:.2f} ms; the same with the broadcast's pickling and unpickling of the payload "
-          f"({pickled / 2**20:.1f} MiB) {plan_bc_ms:.2f} [{plan_bc_max:.2f}] / {plan_bc_cpu:.2f} ms")
+    cap = args.max_candidates
+    plan_ms, plan_max, plan_cpu = timed(plan_fn(buffer, n, False, cap), args.repeats)
+    plan_bc_ms, plan_bc_max, plan_bc_cpu = timed(plan_fn(buffer, n, True, cap), args.repeats)
+    drawn = draw_replay_questions(buffer, n, trajectory_selection="lowest_entropy", max_candidates=cap)
+    candidates = sum(len(q.candidates) for q in drawn)
+    pickled = len(pickle.dumps([drawn]))
+    print(
+        f"replay plan, {n} questions (~{candidates} candidate trajectories), wall median [max] / CPU median of "
+        f"{args.repeats}: sample_questions {sample_ms:.2f} [{sample_max:.2f}] / {sample_cpu:.2f} ms; "
+        f"the trainer's plan (exgrpo_trl.replay; entropy forward stubbed) {plan_ms:.2f} [{plan_max:.2f}] / "
+        f"{plan_cpu:.2f} ms; the same with the broadcast's pickling and unpickling of the drawn questions "
+        f"({pickled / 2**20:.1f} MiB) {plan_bc_ms:.2f} [{plan_bc_max:.2f}] / {plan_bc_cpu:.2f} ms"
+    )
 
     # ---------------------------------------------------------------- checkpoint
     tmp = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="exgrpo-bench-"))
@@ -249,11 +262,17 @@ def main(argv: list[str] | None = None) -> int:
             state_dir = save_state(checkpoint, buffer, trainer_state)
             save_times.append(time.perf_counter() - t)
         sizes = {p.name: p.stat().st_size for p in state_dir.iterdir()}
-        expected = {"questions": questions, "trajectories": num_traj, "tokens": tokens,
-                    "buckets": buffer.bucket_counts(), "retired": len(buffer.retired)}
-        probe = {key: [hashlib.sha256(t.completion_ids.tobytes() + t.logps.tobytes()).hexdigest()
-                       for t in e.trajectories]
-                 for key, e in list(buffer.questions.items())[:: max(1, questions // 50)]}
+        expected = {
+            "questions": questions,
+            "trajectories": num_traj,
+            "tokens": tokens,
+            "buckets": buffer.bucket_counts(),
+            "retired": len(buffer.retired),
+        }
+        probe = {
+            key: [hashlib.sha256(t.completion_ids.tobytes() + t.logps.tobytes()).hexdigest() for t in e.trajectories]
+            for key, e in list(buffer.questions.items())[:: max(1, questions // 50)]
+        }
         del buffer  # one copy of the data at a time
         gc.collect()
 
@@ -261,9 +280,17 @@ def main(argv: list[str] | None = None) -> int:
         loads = []
         for _ in range(args.io_repeats):
             child = subprocess.run(
-                [sys.executable, __file__, "--load-only", str(checkpoint), "--num-generations",
-                 str(args.num_generations)],
-                capture_output=True, text=True, check=False,
+                [
+                    sys.executable,
+                    __file__,
+                    "--load-only",
+                    str(checkpoint),
+                    "--num-generations",
+                    str(args.num_generations),
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
             )
             if child.returncode != 0:
                 print(child.stdout + child.stderr, file=sys.stderr)
@@ -274,23 +301,32 @@ def main(argv: list[str] | None = None) -> int:
         load_times = [x["load_s"] for x in loads]
         save_s, load_s = statistics.median(save_times), statistics.median(load_times)
         loaded = loads[0]
-        print(f"checkpoint: save {_secs(save_times)}, load in a fresh process {_secs(load_times)}; median save + "
-              f"load {save_s + load_s:.2f} s (best {min(save_times) + min(load_times):.2f} s); files "
-              + ", ".join(f"{name} {size / 2**20:,.1f} MiB" for name, size in sorted(sizes.items())))
-        print(f"loaded back: +{gib(loaded['growth'])} resident ({loaded['growth'] / tokens:.3f} bytes per token), "
-              f"peak {gib(loaded['peak'])} in the loading process; peak of this process, saves included: "
-              f"{gib(peak_rss_bytes())}")
-        print(f"a non-main rank on resume (retired set only): {loaded['other_s']:.2f} s, "
-              f"+{loaded['other_growth'] / 2**20:.1f} MiB, {loaded['other_retired']:,} retired, "
-              f"{loaded['other_trajectories']} trajectories")
+        print(
+            f"checkpoint: save {_secs(save_times)}, load in a fresh process {_secs(load_times)}; median save + "
+            f"load {save_s + load_s:.2f} s (best {min(save_times) + min(load_times):.2f} s); files "
+            + ", ".join(f"{name} {size / 2**20:,.1f} MiB" for name, size in sorted(sizes.items()))
+        )
+        print(
+            f"loaded back: +{gib(loaded['growth'])} resident ({loaded['growth'] / tokens:.3f} bytes per token), "
+            f"peak {gib(loaded['peak'])} in the loading process; peak of this process, saves included: "
+            f"{gib(peak_rss_bytes())}"
+        )
+        print(
+            f"a non-main rank on resume (retired set only): {loaded['other_s']:.2f} s, "
+            f"+{loaded['other_growth'] / 2**20:.1f} MiB, {loaded['other_retired']:,} retired, "
+            f"{loaded['other_trajectories']} trajectories"
+        )
         if not args.no_reference:
             # What this machine's memory and disk allow, for reading the figures above: touching as many bytes of
             # fresh memory in a new process, and writing as many bytes to a file in the same folder.
             nbytes = sizes[ARRAYS_FILENAME]
-            code = (f"import numpy as np, time; t = time.perf_counter(); a = np.ones({nbytes}, np.uint8); "
-                    "print(time.perf_counter() - t)")
-            touch = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                         check=True).stdout)
+            code = (
+                f"import numpy as np, time; t = time.perf_counter(); a = np.ones({nbytes}, np.uint8); "
+                "print(time.perf_counter() - t)"
+            )
+            touch = float(
+                subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            )
             block = np.ones(1 << 24, np.uint8)
             t = time.perf_counter()
             with open(tmp / "reference.bin", "wb", buffering=0) as f:
@@ -298,8 +334,10 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(block)
             write_s = time.perf_counter() - t
             (tmp / "reference.bin").unlink()
-            print(f"machine reference for {nbytes / 2**20:,.0f} MiB: first touch of fresh memory in a new process "
-                  f"{touch:.2f} s, plain sequential file write {write_s:.2f} s")
+            print(
+                f"machine reference for {nbytes / 2**20:,.0f} MiB: first touch of fresh memory in a new process "
+                f"{touch:.2f} s, plain sequential file write {write_s:.2f} s"
+            )
     finally:
         if not args.dir:
             shutil.rmtree(tmp, ignore_errors=True)

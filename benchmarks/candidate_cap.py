@@ -1,9 +1,9 @@
 """What `max_trajectory_candidates` changes: how often a shortlist of M still holds the lowest-entropy trajectory.
 
 ExGRPO (SPEC §6) scores every stored trajectory of a replayed question under the current policy and picks the argmin
-of the mean per-token entropy. With `max_trajectory_candidates=M`, only a shortlist of M is scored: the library's
-rule takes the M with the lowest stored NLL (`exgrpo_trl.buffer.shortlist_indices`); the M most recently stored
-are shown beside it for comparison. This script trains ExGRPOTrainer *uncapped* (the paper's selection drives training) on the
+of the mean per-token entropy. With `max_trajectory_candidates=M`, only a shortlist of M is scored: the library's rule
+takes the M with the lowest stored NLL (`exgrpo_trl.buffer.shortlist_indices`); the M most recently stored are shown
+beside it for comparison. This script trains ExGRPOTrainer *uncapped* (the paper's selection drives training) on the
 synthetic task of `benchmarks/overhead.py`, and at every replay selection also works out which trajectory each cap
 would have picked, from the same entropies. It prints, per M: how often the pick is the same, the mean and largest
 entropy gap (capped pick - true minimum) when it is not, and the share of scoring rows the cap saves.
@@ -68,9 +68,11 @@ def summarise(selections: list[np.ndarray], stored_nll: list[np.ndarray], caps: 
     lines = []
     total = sum(len(s) for s in selections)
     age = Counter(len(s) - 1 - int(np.argmin(s)) for s in selections)  # 0: the newest trajectory is the argmin
-    lines.append(f"{len(selections)} scored selections, {total} candidates scored (mean {total / len(selections):.1f}, "
-                 f"max {max(len(s) for s in selections)} per question); mean selected entropy "
-                 f"{np.mean([s.min() for s in selections]):.4f} nats")
+    lines.append(
+        f"{len(selections)} scored selections, {total} candidates scored (mean {total / len(selections):.1f}, "
+        f"max {max(len(s) for s in selections)} per question); mean selected entropy "
+        f"{np.mean([s.min() for s in selections]):.4f} nats"
+    )
     newest = ", ".join(f"{a}: {age[a] / len(selections):.1%}" for a in sorted(age)[:8])
     lines.append(f"age rank of the true argmin (0 = newest stored): {newest}")
     rules = {
@@ -88,8 +90,10 @@ def summarise(selections: list[np.ndarray], stored_nll: list[np.ndarray], caps: 
                 else:
                     gaps.append(float(s[kept].min() - s.min()))
             gap_text = f"gap when not: mean {np.mean(gaps):.4f}, max {max(gaps):.4f} nats" if gaps else "never differs"
-            lines.append(f"M={m} {rule:>17}: same pick {same / len(selections):6.1%} ({same}/{len(selections)}); "
-                         f"{gap_text}; scores {scored / total:.1%} of the rows")
+            lines.append(
+                f"M={m} {rule:>17}: same pick {same / len(selections):6.1%} ({same}/{len(selections)}); "
+                f"{gap_text}; scores {scored / total:.1%} of the rows"
+            )
     return lines
 
 
@@ -103,14 +107,28 @@ def main(argv=None) -> int:
 
     tokenizer, reward, dataset = build_task(args.seed)
     trainer = RecordingExGRPOTrainer(
-        model=build_model(tokenizer, args), reward_funcs=reward, train_dataset=dataset, processing_class=tokenizer,
+        model=build_model(tokenizer, args),
+        reward_funcs=reward,
+        train_dataset=dataset,
+        processing_class=tokenizer,
         args=ExGRPOConfig(
-            output_dir=tempfile.mkdtemp(prefix="exgrpo-cap-"), max_steps=args.steps,
+            output_dir=tempfile.mkdtemp(prefix="exgrpo-cap-"),
+            max_steps=args.steps,
             per_device_train_batch_size=args.questions_per_step * args.num_generations,
-            num_generations=args.num_generations, max_completion_length=args.max_completion_length,
-            learning_rate=args.learning_rate, lr_scheduler_type="constant", logging_steps=10, report_to=[],
-            use_cpu=True, save_strategy="no", seed=args.seed, loss_type="dr_grpo", scale_rewards="none",
-            replay_ratio=args.replay_ratio, replay_start_pass_rate=0.0, disable_tqdm=True,
+            num_generations=args.num_generations,
+            max_completion_length=args.max_completion_length,
+            learning_rate=args.learning_rate,
+            lr_scheduler_type="constant",
+            logging_steps=10,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            seed=args.seed,
+            loss_type="dr_grpo",
+            scale_rewards="none",
+            replay_ratio=args.replay_ratio,
+            replay_start_pass_rate=0.0,
+            disable_tqdm=True,
             max_trajectory_candidates=None,  # the paper's selection drives training; the caps are counterfactual
         ),
     )

@@ -87,9 +87,13 @@ class TimedExGRPOTrainer(ExGRPOTrainer):
 
 def build_model(tokenizer, args) -> Qwen2ForCausalLM:
     return build_tiny_model(
-        tokenizer, hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
+        tokenizer,
+        hidden_size=args.hidden_size,
+        num_layers=args.layers,
+        num_heads=args.heads,
         intermediate_size=getattr(args, "intermediate_size", None) or args.hidden_size * 4,
-        max_position_embeddings=4096, seed=args.seed,
+        max_position_embeddings=4096,
+        seed=args.seed,
     )
 
 
@@ -110,11 +114,23 @@ def prefill(trainer: ExGRPOTrainer, dataset: Dataset, reward, args) -> None:
         rows = [dataset[i] for i in range(start, min(start + 8, args.prefill_questions))]
         prompts = [r["prompt"] for r in rows for _ in range(k)]
         enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left").to(device)
-        out = model.generate(**enc, do_sample=True, temperature=1.0, max_new_tokens=args.max_completion_length,
-                             min_new_tokens=args.min_completion_length, pad_token_id=tokenizer.pad_token_id)
-        completions = out[:, enc["input_ids"].size(1):]
-        logps = torch.log_softmax(model(out, attention_mask=(out != tokenizer.pad_token_id) | (
-            torch.arange(out.size(1), device=device) < enc["input_ids"].size(1))).logits.float(), -1)
+        out = model.generate(
+            **enc,
+            do_sample=True,
+            temperature=1.0,
+            max_new_tokens=args.max_completion_length,
+            min_new_tokens=args.min_completion_length,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        completions = out[:, enc["input_ids"].size(1) :]
+        logps = torch.log_softmax(
+            model(
+                out,
+                attention_mask=(out != tokenizer.pad_token_id)
+                | (torch.arange(out.size(1), device=device) < enc["input_ids"].size(1)),
+            ).logits.float(),
+            -1,
+        )
         logps = logps[:, enc["input_ids"].size(1) - 1 : -1].gather(-1, completions.unsqueeze(-1)).squeeze(-1)
         ids_list = []
         for row in completions.tolist():
@@ -123,8 +139,11 @@ def prefill(trainer: ExGRPOTrainer, dataset: Dataset, reward, args) -> None:
         for q, row in enumerate(rows):
             group = range(q * k, (q + 1) * k)
             successes = int(sum(solved[i] for i in group))
-            trajs = [Trajectory(np.array(ids_list[i]), logps[i, : len(ids_list[i])].cpu().numpy(), 0)
-                     for i in group if solved[i]]
+            trajs = [
+                Trajectory(np.array(ids_list[i]), logps[i, : len(ids_list[i])].cpu().numpy(), 0)
+                for i in group
+                if solved[i]
+            ]
             if 0 < successes < k:
                 buffer.update_group(question_key(row["prompt"]), successes, row, trajs)
     trainer.exgrpo_state["replay_active"] = True
@@ -230,9 +249,13 @@ def add_task_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--replay-ratio", type=float, default=0.5)
     p.add_argument("--max-completion-length", type=int, default=32)
-    p.add_argument("--min-completion-length", type=int, default=0,
-                   help="EOS is suppressed before this many tokens (long completions from an untrained model, e.g. "
-                        "1024 for the GPU shape)")
+    p.add_argument(
+        "--min-completion-length",
+        type=int,
+        default=0,
+        help="EOS is suppressed before this many tokens (long completions from an untrained model, e.g. "
+        "1024 for the GPU shape)",
+    )
     p.add_argument("--prefill-questions", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
 
@@ -258,11 +281,18 @@ def main(argv=None) -> int:
     p.add_argument("--warmup-steps", type=int, default=2, help="first steps of each trainer left out of the figures")
     p.add_argument("--device", default="cpu")
     p.add_argument("--bf16", action="store_true")
-    p.add_argument("--max-trajectory-candidates", type=_cap, default=ExGRPOConfig.max_trajectory_candidates,
-                   help="ExGRPOConfig.max_trajectory_candidates (default: the library's, "
-                   f"{ExGRPOConfig.max_trajectory_candidates}); 'none' scores every stored trajectory, as the paper")
-    p.add_argument("--aa", action="store_true",
-                   help="A/A check of the harness: time two GRPOTrainers against each other (expect a ratio of 1)")
+    p.add_argument(
+        "--max-trajectory-candidates",
+        type=_cap,
+        default=ExGRPOConfig.max_trajectory_candidates,
+        help="ExGRPOConfig.max_trajectory_candidates (default: the library's, "
+        f"{ExGRPOConfig.max_trajectory_candidates}); 'none' scores every stored trajectory, as the paper",
+    )
+    p.add_argument(
+        "--aa",
+        action="store_true",
+        help="A/A check of the harness: time two GRPOTrainers against each other (expect a ratio of 1)",
+    )
     p.add_argument("--json", help="also write the figures to this JSON file")
     args = p.parse_args(argv)
 
@@ -270,38 +300,69 @@ def main(argv=None) -> int:
     common = dict(
         output_dir=tempfile.mkdtemp(prefix="exgrpo-overhead-"),
         per_device_train_batch_size=args.questions_per_step * args.num_generations,
-        num_generations=args.num_generations, max_completion_length=args.max_completion_length, learning_rate=1e-5,
-        logging_steps=1, report_to=[], use_cpu=args.device == "cpu", bf16=args.bf16, gradient_checkpointing=False,
-        save_strategy="no", seed=args.seed, loss_type="dr_grpo", scale_rewards="none", disable_tqdm=True,
+        num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length,
+        learning_rate=1e-5,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=args.device == "cpu",
+        bf16=args.bf16,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        seed=args.seed,
+        loss_type="dr_grpo",
+        scale_rewards="none",
+        disable_tqdm=True,
         generation_kwargs={"min_new_tokens": args.min_completion_length} if args.min_completion_length else None,
     )
     model_grpo, model_ex = build_model(tokenizer, args), build_model(tokenizer, args)
     cap = {"max_trajectory_candidates": args.max_trajectory_candidates}
     n_params = sum(p.numel() for p in model_grpo.parameters())
-    grpo = GRPOTrainer(model=model_grpo, reward_funcs=reward, args=GRPOConfig(**common), train_dataset=dataset,
-                       processing_class=tokenizer)
+    grpo = GRPOTrainer(
+        model=model_grpo,
+        reward_funcs=reward,
+        args=GRPOConfig(**common),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
     if args.aa:
-        other = GRPOTrainer(model=model_ex, reward_funcs=reward, args=GRPOConfig(**common), train_dataset=dataset,
-                            processing_class=tokenizer)
+        other = GRPOTrainer(
+            model=model_ex,
+            reward_funcs=reward,
+            args=GRPOConfig(**common),
+            train_dataset=dataset,
+            processing_class=tokenizer,
+        )
         run_in_lockstep({"grpo": grpo, "grpo again": other}, args.steps)
         a, b = step_times(grpo)[args.warmup_steps :], step_times(other)[args.warmup_steps :]
         paired = [y / x for x, y in zip(a, b)]
-        print(f"A/A: GRPOTrainer {statistics.median(a):.4f} s, the same again {statistics.median(b):.4f} s, ratio "
-              f"{statistics.median(b) / statistics.median(a):.3f}; step-by-step ratio median "
-              f"{statistics.median(paired):.3f} (quartiles {np.percentile(paired, 25):.3f}-"
-              f"{np.percentile(paired, 75):.3f})")
+        print(
+            f"A/A: GRPOTrainer {statistics.median(a):.4f} s, the same again {statistics.median(b):.4f} s, ratio "
+            f"{statistics.median(b) / statistics.median(a):.3f}; step-by-step ratio median "
+            f"{statistics.median(paired):.3f} (quartiles {np.percentile(paired, 25):.3f}-"
+            f"{np.percentile(paired, 75):.3f})"
+        )
         return 0
-    ex = TimedExGRPOTrainer(model=model_ex, reward_funcs=reward, train_dataset=dataset, processing_class=tokenizer,
-                            args=ExGRPOConfig(replay_ratio=args.replay_ratio, replay_start_pass_rate=0.0, **cap, **common))
+    ex = TimedExGRPOTrainer(
+        model=model_ex,
+        reward_funcs=reward,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        args=ExGRPOConfig(replay_ratio=args.replay_ratio, replay_start_pass_rate=0.0, **cap, **common),
+    )
     ex.model.to(ex.accelerator.device)
     prefill(ex, dataset, reward, args)
     buffer = ex.experience_buffer
     candidates = [len(e.trajectories) for e in buffer.questions.values()]
-    print(f"model: {n_params / 1e6:.2f}M params; {args.questions_per_step} questions x K={args.num_generations} per "
-          f"step; completions up to {args.max_completion_length} tokens; rho={args.replay_ratio}; "
-          f"max_trajectory_candidates={args.max_trajectory_candidates}")
-    print(f"warm buffer: {buffer.num_questions} questions, {buffer.num_trajectories} trajectories "
-          f"(mean {np.mean(candidates):.1f} candidates per question)")
+    print(
+        f"model: {n_params / 1e6:.2f}M params; {args.questions_per_step} questions x K={args.num_generations} per "
+        f"step; completions up to {args.max_completion_length} tokens; rho={args.replay_ratio}; "
+        f"max_trajectory_candidates={args.max_trajectory_candidates}"
+    )
+    print(
+        f"warm buffer: {buffer.num_questions} questions, {buffer.num_trajectories} trajectories "
+        f"(mean {np.mean(candidates):.1f} candidates per question)"
+    )
 
     generation = {"grpo": time_generation(grpo), "exgrpo": time_generation(ex)}
     run_in_lockstep({"grpo": grpo, "exgrpo": ex}, args.steps)
@@ -315,31 +376,54 @@ def main(argv=None) -> int:
     g, e = statistics.median(measured["grpo"]), statistics.median(measured["exgrpo"])
     total_ex_steps = args.steps
     print()
-    print(f"median step time: GRPOTrainer {g:.4f} s, ExGRPOTrainer {e:.4f} s, ratio {e / g:.3f} "
-          f"({len(measured['grpo'])} + {len(measured['exgrpo'])} steps)")
-    print(f"step-by-step ratio (ExGRPO step i / GRPO step i): median {statistics.median(paired):.3f} "
-          f"(quartiles {np.percentile(paired, 25):.3f}-{np.percentile(paired, 75):.3f})")
+    print(
+        f"median step time: GRPOTrainer {g:.4f} s, ExGRPOTrainer {e:.4f} s, ratio {e / g:.3f} "
+        f"({len(measured['grpo'])} + {len(measured['exgrpo'])} steps)"
+    )
+    print(
+        f"step-by-step ratio (ExGRPO step i / GRPO step i): median {statistics.median(paired):.3f} "
+        f"(quartiles {np.percentile(paired, 25):.3f}-{np.percentile(paired, 75):.3f})"
+    )
     gen_g, gen_e = statistics.median(generation["grpo"]), statistics.median(generation["exgrpo"])
-    print(f"generation per step: GRPOTrainer {1000 * gen_g:.1f} ms, ExGRPOTrainer {1000 * gen_e:.1f} ms "
-          f"({1000 * (gen_e - gen_g):+.1f} ms: replayed groups sample K-1 rows, not K)")
-    print(f"ExGRPO's own code / the rest of the same step: median {statistics.median(fractions):.3f} "
-          f"(quartiles {np.percentile(fractions, 25):.3f}-{np.percentile(fractions, 75):.3f})")
+    print(
+        f"generation per step: GRPOTrainer {1000 * gen_g:.1f} ms, ExGRPOTrainer {1000 * gen_e:.1f} ms "
+        f"({1000 * (gen_e - gen_g):+.1f} ms: replayed groups sample K-1 rows, not K)"
+    )
+    print(
+        f"ExGRPO's own code / the rest of the same step: median {statistics.median(fractions):.3f} "
+        f"(quartiles {np.percentile(fractions, 25):.3f}-{np.percentile(fractions, 75):.3f})"
+    )
     print("ExGRPO's own time per step (mean over all steps):")
     per_step = {label: seconds / total_ex_steps for label, seconds in ex.timings.items()}
     for label in TIMED:
         share = per_step.get(label, 0.0)
         print(f"  {label:<28} {1000 * share:8.2f} ms  ({100 * share / g:5.2f}% of a GRPO step)")
-    print(f"stored trajectories scored per step: mean {np.mean(ex.scored_rows):.1f} "
-          f"(max {max(ex.scored_rows, default=0)})")
-    print(f"buffer at the end: {buffer.num_questions} questions, {buffer.num_trajectories} trajectories, "
-          f"{len(buffer.retired)} retired")
+    print(
+        f"stored trajectories scored per step: mean {np.mean(ex.scored_rows):.1f} "
+        f"(max {max(ex.scored_rows, default=0)})"
+    )
+    print(
+        f"buffer at the end: {buffer.num_questions} questions, {buffer.num_trajectories} trajectories, "
+        f"{len(buffer.retired)} retired"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"grpo_median_s": g, "exgrpo_median_s": e, "ratio": e / g, "paired_ratio_median": statistics.median(paired),
-                       "median_extra_fraction": statistics.median(fractions),
-                       "generation_median_s": {"grpo": gen_g, "exgrpo": gen_e}, "step_times_s": measured,
-                       "generation_s": generation, "per_step_ms":
-                       {k: 1000 * v for k, v in per_step.items()}, "args": vars(args)}, f, indent=2)
+            json.dump(
+                {
+                    "grpo_median_s": g,
+                    "exgrpo_median_s": e,
+                    "ratio": e / g,
+                    "paired_ratio_median": statistics.median(paired),
+                    "median_extra_fraction": statistics.median(fractions),
+                    "generation_median_s": {"grpo": gen_g, "exgrpo": gen_e},
+                    "step_times_s": measured,
+                    "generation_s": generation,
+                    "per_step_ms": {k: 1000 * v for k, v in per_step.items()},
+                    "args": vars(args),
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 

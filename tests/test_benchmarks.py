@@ -41,9 +41,28 @@ def test_turns_alternate_who_goes_first(overhead):
 
 def test_tiny_run_writes_its_figures(overhead, tmp_path):
     out = tmp_path / "figures.json"
-    overhead.main(["--hidden-size", "32", "--layers", "1", "--heads", "2", "--questions-per-step", "4",
-                   "--max-completion-length", "8", "--prefill-questions", "8", "--steps", "3", "--warmup-steps", "1",
-                   "--json", str(out)])
+    overhead.main(
+        [
+            "--hidden-size",
+            "32",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--questions-per-step",
+            "4",
+            "--max-completion-length",
+            "8",
+            "--prefill-questions",
+            "8",
+            "--steps",
+            "3",
+            "--warmup-steps",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     figures = json.loads(out.read_text())
     assert len(figures["step_times_s"]["grpo"]) == len(figures["step_times_s"]["exgrpo"]) == 2
     assert figures["ratio"] == pytest.approx(figures["exgrpo_median_s"] / figures["grpo_median_s"])
@@ -85,7 +104,65 @@ def test_candidate_cap_summary_counts_by_hand(candidate_cap):
 
 
 def test_candidate_cap_tiny_run(candidate_cap, capsys):
-    candidate_cap.main(["--hidden-size", "32", "--layers", "1", "--heads", "2", "--questions-per-step", "4",
-                        "--max-completion-length", "8", "--prefill-questions", "8", "--steps", "3", "--caps", "1"])
+    candidate_cap.main(
+        [
+            "--hidden-size",
+            "32",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--questions-per-step",
+            "4",
+            "--max-completion-length",
+            "8",
+            "--prefill-questions",
+            "8",
+            "--steps",
+            "3",
+            "--caps",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out
     assert "scored selections" in out and "M=1            newest: same pick" in out
+
+
+def test_buffer_memory_tiny_run(capsys):
+    # 300 trajectories of 20 tokens: every stage runs (fill, plan through exgrpo_trl.replay, save, load in a fresh
+    # process, the non-main rank's load); the benchmark itself asserts that the loaded buffer equals the saved one.
+    spec = importlib.util.spec_from_file_location("buffer_memory", ROOT / "benchmarks" / "buffer_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert (
+        module.main(
+            [
+                "--trajectories",
+                "300",
+                "--length",
+                "20",
+                "--plan-questions",
+                "8",
+                "--repeats",
+                "2",
+                "--io-repeats",
+                "1",
+                "--no-reference",
+                "--max-candidates",
+                "4",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    figures = json.loads(out.split("figures: ", 1)[1].splitlines()[0])
+    assert figures["bytes_per_token_data"] == 6.0  # int32 id + float16 log-prob
+    assert "300 trajectories x 20 tokens = 6,000 tokens" in out
+
+
+def test_every_benchmark_script_has_a_smoke_run():
+    # A benchmark no test runs can rot unseen (buffer_memory.py once did): each script must be named in this file
+    # by a test that runs it at a tiny size.
+    text = pathlib.Path(__file__).read_text()
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
+    assert scripts and all(f'"{name}"' in text for name in scripts), scripts
