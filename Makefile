@@ -13,7 +13,7 @@ VENV_VLLM ?= .venv-vllm
 STAMP_VLLM := $(VENV_VLLM)/.exgrpo-vllm-installed
 VLLM_PYTEST := EXGRPO_VLLM_TESTS=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm -m vllm
 
-.PHONY: install install_vllm demo test vllm_test slow_test clean
+.PHONY: install install_vllm demo test vllm_test slow_test style quality clean
 
 $(STAMP): pyproject.toml requirements/cpu.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,8 +33,20 @@ install_vllm: $(STAMP_VLLM)
 demo: $(STAMP)
 	$(VENV)/bin/exgrpo demo $(DEMO_ARGS)
 
-# The main suite, then ExGRPO against a real vLLM (CPU build) in colocate and server mode.
-test: $(STAMP) $(STAMP_VLLM)
+# Ruff (pinned in requirements/cpu.lock) over the code, and the package's import layers (scripts/check_imports.py).
+LINTED := exgrpo_trl tests benchmarks scripts
+
+style: $(STAMP)
+	$(VENV)/bin/ruff format $(LINTED)
+	$(VENV)/bin/ruff check --fix $(LINTED)
+
+quality: $(STAMP)
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+	$(PY) scripts/check_imports.py
+
+# The quality check, the main suite, then ExGRPO against a real vLLM (CPU build) in colocate and server mode.
+test: $(STAMP) $(STAMP_VLLM) quality
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 	$(VLLM_PYTEST) $(PYTEST_ARGS)
 

@@ -268,8 +268,13 @@ class ExperienceBuffer:
             "config": self.config_dict(),
             "rng_state": self.rng.bit_generator.state,
             "questions": [
-                {"key": key, "k": e.k, "num_trajectories": len(e.trajectories), "bucket_position": position[key],
-                 "row": e.row}
+                {
+                    "key": key,
+                    "k": e.k,
+                    "num_trajectories": len(e.trajectories),
+                    "bucket_position": position[key],
+                    "row": e.row,
+                }
                 for key, e in self.questions.items()
             ],
             "retired": sorted(self.retired),
@@ -298,15 +303,21 @@ class ExperienceBuffer:
         ids, logps = arrays["completion_ids"], arrays["logps"]
         counts = [q["num_trajectories"] for q in meta["questions"]]
         if sum(counts) != lengths.size or steps.size != lengths.size:
-            raise ValueError(f"{sum(counts)} trajectories listed but {lengths.size} lengths / {steps.size} steps saved")
+            raise ValueError(
+                f"{sum(counts)} trajectories listed but {lengths.size} lengths / {steps.size} steps saved"
+            )
         if int(lengths.sum()) != ids.size or ids.size != logps.size:
-            raise ValueError(f"lengths add up to {int(lengths.sum())} tokens, but {ids.size} ids and {logps.size} "
-                             "log-probs were saved")
+            raise ValueError(
+                f"lengths add up to {int(lengths.sum())} tokens, but {ids.size} ids and {logps.size} "
+                "log-probs were saved"
+            )
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         # Copies, not views: a view would keep the whole loaded array alive as long as any one trajectory lives, so
         # the memory of questions retired after a resume would never be reclaimed.
         trajectories = [
-            Trajectory(ids[offsets[t] : offsets[t + 1]].copy(), logps[offsets[t] : offsets[t + 1]].copy(), int(steps[t]))
+            Trajectory(
+                ids[offsets[t] : offsets[t + 1]].copy(), logps[offsets[t] : offsets[t + 1]].copy(), int(steps[t])
+            )
             for t in range(lengths.size)
         ]
         self.restore(meta, trajectories)
@@ -330,7 +341,9 @@ class ExperienceBuffer:
             members.clear()
         t = 0
         for q, n in zip(meta["questions"], counts):
-            self.questions[q["key"]] = QuestionEntry(row=q["row"], k=q["k"], trajectories=list(trajectories[t : t + n]))
+            self.questions[q["key"]] = QuestionEntry(
+                row=q["row"], k=q["k"], trajectories=list(trajectories[t : t + n])
+            )
             t += n
         # bucket members in their saved order (states written before positions were saved: buffer order)
         in_order = sorted(range(len(counts)), key=lambda i: meta["questions"][i].get("bucket_position", i))

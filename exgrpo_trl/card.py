@@ -12,9 +12,11 @@ def exgrpo_card_section(args: Any, buffer: Any, global_step: int, replay_active:
     delayed = args.replay_start_pass_rate
     rows = [
         ("replay ratio (rho)", args.replay_ratio),
-        ("policy shaping gamma", "none (plain importance ratio)" if args.policy_shaping_gamma is None
-         else args.policy_shaping_gamma),
-        ("delayed start (batch Pass@1 >)", "off (replay from the first step)" if not delayed else delayed),
+        (
+            "policy shaping gamma",
+            "none (plain importance ratio)" if args.policy_shaping_gamma is None else args.policy_shaping_gamma,
+        ),
+        ("delayed start (batch Pass@1 >)", delayed if delayed else "off (replay from the first step)"),
         ("rollouts per question (K)", args.num_generations),
         ("question selection", f"{args.question_selection} (mu {args.replay_mu}, sigma {args.replay_sigma})"),
         ("trajectory selection", _trajectory_selection(args)),

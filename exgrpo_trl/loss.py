@@ -32,10 +32,7 @@ def shaped_replay_token_loss(
     """
     reference = behaviour_logps if importance_correction else per_token_logps.detach()
     log_w = per_token_logps - reference  # (B, T)
-    if gamma is None:
-        shaped = torch.exp(log_w)
-    else:
-        shaped = torch.sigmoid(log_w - math.log(gamma))
+    shaped = torch.exp(log_w) if gamma is None else torch.sigmoid(log_w - math.log(gamma))  # w or w / (w + gamma)
     per_token_loss = -shaped * advantages  # (B, T)
     return per_token_loss, torch.exp(log_w.detach()), shaped.detach()
 

@@ -66,7 +66,7 @@ def test_sampling_caps_buckets_and_never_repeats():
 
 
 def test_sampling_frequencies_follow_bucket_probabilities():
-    buffer = filled({b: 40 for b in range(1, 8)}, seed=3)
+    buffer = filled(dict.fromkeys(range(1, 8), 40), seed=3)
     probs = buffer.bucket_probabilities()
     draws = 20000
     counts = dict.fromkeys(range(1, 8), 0)
@@ -142,7 +142,10 @@ def test_shortlist_keeps_the_lowest_stored_nll_in_stored_order():
     #   t4: 0.5 (ties with t1; t4 is newer)
     logps = [[-1.0, -3.0], [-0.5], [-3.0, -3.0, -3.0], [-0.25, -1.75], [-0.5, -0.5]]
     trajs = [Trajectory(np.arange(len(lp)) + 3, np.array(lp), step) for step, lp in enumerate(logps)]
-    picked = lambda m, highest=False: [t.step for t in shortlist_candidates(trajs, m, highest)]
+
+    def picked(m, highest=False):
+        return [t.step for t in shortlist_candidates(trajs, m, highest)]
+
     assert picked(1) == [4]  # t1 and t4 tie at 0.5: the newer one
     assert picked(2) == [1, 4]
     assert picked(3) == [1, 3, 4]  # then t3 (1.0); returned in stored order, not by rank

@@ -6,8 +6,15 @@ from exgrpo_trl import ExGRPOConfig
 
 
 def make(tmp_path, **kwargs):
-    return ExGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], num_generations=8,
-                        per_device_train_batch_size=8, **kwargs)
+    return ExGRPOConfig(
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        num_generations=8,
+        per_device_train_batch_size=8,
+        **kwargs,
+    )
 
 
 def test_defaults_are_the_papers(tmp_path):
@@ -27,9 +34,17 @@ def test_every_field_has_help():
 
     own = {f.name for f in fields(ExGRPOConfig)} - {f.name for f in fields(GRPOConfig)}
     assert own == {
-        "replay_ratio", "replay_start_pass_rate", "replay_mu", "replay_sigma", "question_selection",
-        "trajectory_selection", "policy_shaping_gamma", "replay_importance_correction", "success_reward_threshold",
-        "skip_retired_questions", "max_trajectory_candidates",
+        "replay_ratio",
+        "replay_start_pass_rate",
+        "replay_mu",
+        "replay_sigma",
+        "question_selection",
+        "trajectory_selection",
+        "policy_shaping_gamma",
+        "replay_importance_correction",
+        "success_reward_threshold",
+        "skip_retired_questions",
+        "max_trajectory_candidates",
     }
     for f in fields(ExGRPOConfig):
         if f.name in own:
@@ -58,11 +73,19 @@ def test_bad_values_name_the_field(tmp_path, kwargs, message):
 
 def test_num_generations_below_two_rejected(tmp_path):
     with pytest.raises(ValueError, match="num_generations must be >= 2"):
-        ExGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, num_generations=1,
-                     per_device_train_batch_size=8)
+        ExGRPOConfig(
+            output_dir=str(tmp_path), use_cpu=True, bf16=False, num_generations=1, per_device_train_batch_size=8
+        )
 
 
 def test_ablation_values_accepted(tmp_path):
-    cfg = make(tmp_path, policy_shaping_gamma=None, replay_importance_correction=False, replay_start_pass_rate=None,
-               question_selection="uniform", trajectory_selection="random", replay_ratio=0.0)
+    cfg = make(
+        tmp_path,
+        policy_shaping_gamma=None,
+        replay_importance_correction=False,
+        replay_start_pass_rate=None,
+        question_selection="uniform",
+        trajectory_selection="random",
+        replay_ratio=0.0,
+    )
     assert cfg.policy_shaping_gamma is None and cfg.replay_start_pass_rate is None

@@ -54,9 +54,7 @@ def test_openr1_rows_keep_their_prompt_and_take_the_ground_truth():
     assert len(ds) == len(rows) == 6
     for got, row in zip(ds, rows):
         assert got["answer"] == row["reward_model"]["ground_truth"]
-        assert [(m["role"], m["content"]) for m in got["prompt"]] == [
-            (m["role"], m["content"]) for m in row["prompt"]
-        ]
+        assert [(m["role"], m["content"]) for m in got["prompt"]] == [(m["role"], m["content"]) for m in row["prompt"]]
     assert ds[1]["answer"] == "\\frac{1}{2}"
     assert ds[1]["prompt"][0]["content"] == LUFFY_SYSTEM_PROMPT
     assert ds[1]["prompt"][1]["content"] == "Simplify $\\frac{3}{4} - \\frac{1}{4}$."

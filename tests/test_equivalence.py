@@ -15,8 +15,7 @@ from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
         {"loss_type": "dr_grpo", "scale_rewards": "none"},
         # two micro-batches per generation batch and two per optimizer step: exercises TRL's split/shuffle and
         # the deferred capture of behaviour log-probs across micro-batches
-        {"loss_type": "dapo", "per_device_train_batch_size": 16, "gradient_accumulation_steps": 2,
-         "beta": 0.04},
+        {"loss_type": "dapo", "per_device_train_batch_size": 16, "gradient_accumulation_steps": 2, "beta": 0.04},
     ],
     ids=["dr_grpo", "dapo-ga2-kl"],
 )
@@ -26,12 +25,21 @@ def test_replay_ratio_zero_is_grpo_bitwise(tmp_path, tokenizer, overrides):
     model_dir = str(tmp_path / "model")  # loaded by path, so that beta > 0 can load the same reference model
     make_model(tokenizer).save_pretrained(model_dir)
 
-    grpo = GRPOTrainer(model=model_dir, reward_funcs=reward, args=GRPOConfig(**kwargs),
-                       train_dataset=dataset, processing_class=tokenizer)
+    grpo = GRPOTrainer(
+        model=model_dir,
+        reward_funcs=reward,
+        args=GRPOConfig(**kwargs),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
     grpo.train()
-    ex = ExGRPOTrainer(model=model_dir, reward_funcs=reward,
-                       args=ExGRPOConfig(replay_ratio=0.0, replay_start_pass_rate=0.0, **kwargs),
-                       train_dataset=dataset, processing_class=tokenizer)
+    ex = ExGRPOTrainer(
+        model=model_dir,
+        reward_funcs=reward,
+        args=ExGRPOConfig(replay_ratio=0.0, replay_start_pass_rate=0.0, **kwargs),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
     ex.train()
 
     # The bookkeeping really ran (the buffer collected), and it did not perturb training.
@@ -67,19 +75,37 @@ def test_replayed_rows_share_trls_normaliser(tmp_path, tokenizer, loss_type):
     what TRL's loss is for a fresh on-policy row (ratio 1, inside the clip range). So ExGRPO's loss on a batch whose
     rows 1 and 3 are 'replayed' must have the same gradient as GRPOTrainer's loss on the same batch, for every loss
     type: that holds only if the replayed term is aggregated with TRL's own normaliser."""
-    kwargs = config_kwargs(tmp_path, loss_type=loss_type, per_device_train_batch_size=4, num_generations=2,
-                           gradient_accumulation_steps=2, max_completion_length=5)
+    kwargs = config_kwargs(
+        tmp_path,
+        loss_type=loss_type,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        gradient_accumulation_steps=2,
+        max_completion_length=5,
+    )
     if loss_type == "cispo":  # CISPO's clip bound on the ratio (the MiniMax-M1 paper uses ~5; TRL's default 0.2 < 1)
         kwargs["epsilon_high"] = 5.0
     dataset, reward = synthetic_dataset(), make_reward(tokenizer)
-    grpo = GRPOTrainer(model=make_model(tokenizer), reward_funcs=reward, args=GRPOConfig(**kwargs),
-                       train_dataset=dataset, processing_class=tokenizer)
-    ex = ExGRPOTrainer(model=make_model(tokenizer), reward_funcs=reward, train_dataset=dataset,
-                       args=ExGRPOConfig(policy_shaping_gamma=None, replay_importance_correction=False, **kwargs),
-                       processing_class=tokenizer)
+    grpo = GRPOTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=reward,
+        args=GRPOConfig(**kwargs),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    ex = ExGRPOTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=reward,
+        train_dataset=dataset,
+        args=ExGRPOConfig(policy_shaping_gamma=None, replay_importance_correction=False, **kwargs),
+        processing_class=tokenizer,
+    )
     batch = _batch(grpo, tokenizer)
-    replay = {**batch, "exgrpo_replay_mask": torch.tensor([False, True, False, True]),
-              "exgrpo_behaviour_logps": torch.full((4, 5), -7.0)}  # ignored without IS correction
+    replay = {
+        **batch,
+        "exgrpo_replay_mask": torch.tensor([False, True, False, True]),
+        "exgrpo_behaviour_logps": torch.full((4, 5), -7.0),
+    }  # ignored without IS correction
 
     for trainer in (grpo, ex):
         trainer.model.train()

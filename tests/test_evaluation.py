@@ -179,7 +179,10 @@ def test_parse_per_benchmark():
 
 def test_paper_numbers_average_to_the_reported_ones():
     for row, scores in ev.PAPER_RESULTS.items():
-        for group, names in (("in_distribution", registry.IN_DISTRIBUTION), ("out_of_distribution", registry.OUT_OF_DISTRIBUTION)):
+        for group, names in (
+            ("in_distribution", registry.IN_DISTRIBUTION),
+            ("out_of_distribution", registry.OUT_OF_DISTRIBUTION),
+        ):
             mean = sum(scores[n] for n in names) / len(names)
             assert abs(mean - ev.PAPER_REPORTED_AVERAGES[row][group]) < 0.05 + 1e-9, (row, group, mean)
 
@@ -275,7 +278,9 @@ def test_custom_math_file_and_specs(tmp_path):
     path.write_text('{"prompt": "37+48=", "answer": "85"}\n{"prompt": "1+1=", "answer": "2"}\n')
     bench = load_benchmark("toy", path)
     assert [(q.prompt, q.answers, q.kind) for q in bench.questions] == [
-        ("37+48=", ["85"], "math"), ("1+1=", ["2"], "math")]
+        ("37+48=", ["85"], "math"),
+        ("1+1=", ["2"], "math"),
+    ]
     assert bench.in_distribution is None
     assert parse_benchmark_spec("math500") == ("math500", None)
     assert parse_benchmark_spec(f"toy={path}") == ("toy", str(path))
@@ -308,8 +313,17 @@ SCRIPT = {  # benchmark -> per question, its completions; hand-graded scores in 
     "mmlu_pro": [["Answer: C"], [r"\boxed{E}"]],  # 100.0
 }
 SCRIPT_SAMPLES = "4,math500=1,minerva=1,olympiad=1,arc_c=2,gpqa_diamond=2,mmlu_pro=1"
-EXPECTED = {"aime24": 50.0, "aime25": 50.0, "amc": 37.5, "math500": 50.0, "minerva": 100.0, "olympiad": 100.0,
-            "arc_c": 75.0, "gpqa_diamond": 75.0, "mmlu_pro": 100.0}
+EXPECTED = {
+    "aime24": 50.0,
+    "aime25": 50.0,
+    "amc": 37.5,
+    "math500": 50.0,
+    "minerva": 100.0,
+    "olympiad": 100.0,
+    "arc_c": 75.0,
+    "gpqa_diamond": 75.0,
+    "mmlu_pro": 100.0,
+}
 
 
 class ScriptedGenerator:
@@ -321,8 +335,16 @@ class ScriptedGenerator:
         self.calls = []
 
     def generate(self, prompt_ids, *, n, temperature, top_p, max_new_tokens, seed=0, desc=None):
-        self.calls.append({"benchmark": desc, "n": n, "temperature": temperature, "top_p": top_p,
-                           "max_new_tokens": max_new_tokens, "prompts": len(prompt_ids)})
+        self.calls.append(
+            {
+                "benchmark": desc,
+                "n": n,
+                "temperature": temperature,
+                "top_p": top_p,
+                "max_new_tokens": max_new_tokens,
+                "prompts": len(prompt_ids),
+            }
+        )
         script = SCRIPT[desc]
         assert len(prompt_ids) == len(script) and all(len(s) == n for s in script)
         return [[Completion(text, 3, False) for text in texts] for texts in script]
@@ -342,20 +364,41 @@ def _args(*argv):
 def test_scripted_run_gives_the_hand_derived_table(tmp_path, tokenizer):
     generator = ScriptedGenerator()
     out = tmp_path / "out"
-    args = _args("--model", "some/model", "--name", "fake", "--data-dir", str(DATA), "--samples", SCRIPT_SAMPLES,
-                 "--temperature", "0.6,aime24=1.0", "--max-new-tokens", "64", "--output-dir", str(out))
+    args = _args(
+        "--model",
+        "some/model",
+        "--name",
+        "fake",
+        "--data-dir",
+        str(DATA),
+        "--samples",
+        SCRIPT_SAMPLES,
+        "--temperature",
+        "0.6,aime24=1.0",
+        "--max-new-tokens",
+        "64",
+        "--output-dir",
+        str(out),
+    )
     report = ev_cli.run_evaluation(args, generator=generator, tokenizer=tokenizer)
 
     results = json.loads((out / "results.json").read_text())
     assert list(results["benchmarks"]) == list(BENCHMARKS)
     assert {n: r["score"] for n, r in results["benchmarks"].items()} == EXPECTED
     assert results["averages"]["in_distribution"] == {
-        "score": pytest.approx((50 + 50 + 37.5 + 50 + 100 + 100) / 6), "benchmarks": list(registry.IN_DISTRIBUTION),
-        "complete": True}
+        "score": pytest.approx((50 + 50 + 37.5 + 50 + 100 + 100) / 6),
+        "benchmarks": list(registry.IN_DISTRIBUTION),
+        "complete": True,
+    }
     assert results["averages"]["out_of_distribution"]["score"] == pytest.approx(250 / 3)
     aime = results["benchmarks"]["aime24"]
     assert (aime["metric"], aime["samples"], aime["temperature"], aime["top_p"], aime["max_new_tokens"]) == (
-        "avg@4", 4, 1.0, 1.0, 64)
+        "avg@4",
+        4,
+        1.0,
+        1.0,
+        64,
+    )
     assert [q["scores"] for q in aime["per_question"]] == [[1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 0.0, 1.0]]
     assert aime["answer_found_rate"] == 4 / 8  # a box after the last </think>: 2 of q60, 2 of q61
     assert results["benchmarks"]["math500"]["metric"] == "pass@1"
@@ -364,7 +407,11 @@ def test_scripted_run_gives_the_hand_derived_table(tmp_path, tokenizer):
     assert results["paper"]["results"] == ev.PAPER_RESULTS and results["backend"] == "scripted"
     # the generator was asked for the configured settings
     assert [(c["benchmark"], c["n"], c["temperature"]) for c in generator.calls][:4] == [
-        ("aime24", 4, 1.0), ("aime25", 4, 0.6), ("amc", 4, 0.6), ("math500", 1, 0.6)]
+        ("aime24", 4, 1.0),
+        ("aime25", 4, 0.6),
+        ("amc", 4, 0.6),
+        ("math500", 1, 0.6),
+    ]
 
     md = (out / "results.md").read_text()
     assert md == report["markdown"]
@@ -381,13 +428,34 @@ def test_scripted_run_gives_the_hand_derived_table(tmp_path, tokenizer):
 
     records = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     assert len(records) == sum(len(s) * len(s[0]) for s in SCRIPT.values())
-    assert records[1] == {"benchmark": "aime24", "id": "60", "sample": 1, "completion": r"\boxed{25}",
-                          "extracted": "25", "score": 0.0, "num_tokens": 3, "truncated": False}
+    assert records[1] == {
+        "benchmark": "aime24",
+        "id": "60",
+        "sample": 1,
+        "completion": r"\boxed{25}",
+        "extracted": "25",
+        "score": 0.0,
+        "num_tokens": 3,
+        "truncated": False,
+    }
 
 
 def test_partial_table_averages_the_paper_over_the_same_benchmarks(tmp_path, tokenizer):
-    args = _args("--model", "m", "--name", "fake", "--benchmarks", "aime24,math500,arc_c", "--data-dir", str(DATA),
-                 "--samples", "4,math500=1,arc_c=2", "--output-dir", str(tmp_path), "--no-completions")
+    args = _args(
+        "--model",
+        "m",
+        "--name",
+        "fake",
+        "--benchmarks",
+        "aime24,math500,arc_c",
+        "--data-dir",
+        str(DATA),
+        "--samples",
+        "4,math500=1,arc_c=2",
+        "--output-dir",
+        str(tmp_path),
+        "--no-completions",
+    )
     report = ev_cli.run_evaluation(args, generator=ScriptedGenerator(), tokenizer=tokenizer)
     md = report["markdown"]
     assert "| Model | AIME24 | MATH-500 | ID avg.* | ARC-c | OOD avg.* |" in md
@@ -400,12 +468,28 @@ def test_partial_table_averages_the_paper_over_the_same_benchmarks(tmp_path, tok
 
 def test_bad_arguments(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
-        ev_cli.run_evaluation(_args("--model", "m", "--benchmarks", "nope", "--output-dir", str(tmp_path)),
-                          generator=ScriptedGenerator(), tokenizer=tokenizer)
+        ev_cli.run_evaluation(
+            _args("--model", "m", "--benchmarks", "nope", "--output-dir", str(tmp_path)),
+            generator=ScriptedGenerator(),
+            tokenizer=tokenizer,
+        )
     with pytest.raises(ValueError, match="not evaluated"):
-        ev_cli.run_evaluation(_args("--model", "m", "--benchmarks", "aime24", "--samples", "amc=4", "--data-dir",
-                                str(DATA), "--output-dir", str(tmp_path)), generator=ScriptedGenerator(),
-                          tokenizer=tokenizer)
+        ev_cli.run_evaluation(
+            _args(
+                "--model",
+                "m",
+                "--benchmarks",
+                "aime24",
+                "--samples",
+                "amc=4",
+                "--data-dir",
+                str(DATA),
+                "--output-dir",
+                str(tmp_path),
+            ),
+            generator=ScriptedGenerator(),
+            tokenizer=tokenizer,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -414,14 +498,36 @@ def test_bad_arguments(tmp_path, tokenizer):
 def test_whole_harness_on_a_tiny_model(tmp_path, tokenizer_dir, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "out"
-    assert ev_cli.main(["--model", tokenizer_dir, "--data-dir", str(DATA), "--samples", "2,math500=1",
-                    "--max-new-tokens", "4", "--system-prompt", "", "--backend", "transformers",
-                    "--batch-size", "8", "--output-dir", str(out), "--no-progress"]) == 0
+    assert (
+        ev_cli.main(
+            [
+                "--model",
+                tokenizer_dir,
+                "--data-dir",
+                str(DATA),
+                "--samples",
+                "2,math500=1",
+                "--max-new-tokens",
+                "4",
+                "--system-prompt",
+                "",
+                "--backend",
+                "transformers",
+                "--batch-size",
+                "8",
+                "--output-dir",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     results = json.loads((out / "results.json").read_text())
     assert results["backend"] == "transformers" and list(results["benchmarks"]) == list(BENCHMARKS)
     records = [json.loads(line) for line in (out / "completions.jsonl").read_text().splitlines()]
     questions = {
-        (n, q.id): q for n in BENCHMARKS for q in load_benchmark(n, data_dir=DATA, system_prompt="").questions}
+        (n, q.id): q for n in BENCHMARKS for q in load_benchmark(n, data_dir=DATA, system_prompt="").questions
+    }
     for name, result in results["benchmarks"].items():
         k = 1 if name == "math500" else 2
         metric = "pass@1" if k == 1 else "avg@2"
@@ -464,13 +570,26 @@ def test_vllm_generator_matches_transformers_greedy(tokenizer_dir, tokenizer, tm
     from transformers import AutoModelForCausalLM
 
     (tmp_path / "tmp").mkdir()
-    for key, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1",
-                       "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TMPDIR": str(tmp_path / "tmp"),
-                       "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")}.items():
+    for key, value in {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TMPDIR": str(tmp_path / "tmp"),
+        "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+    }.items():
         monkeypatch.setenv(key, value)
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ("12+34=", "5+5=", "987+6=")]
-    vllm_gen = ev.VLLMGenerator(tokenizer_dir, tokenizer, dtype="float32", max_model_len=64, seed=0, progress=False,
-                                llm_kwargs={"enforce_eager": True})
+    vllm_gen = ev.VLLMGenerator(
+        tokenizer_dir,
+        tokenizer,
+        dtype="float32",
+        max_model_len=64,
+        seed=0,
+        progress=False,
+        llm_kwargs={"enforce_eager": True},
+    )
     sampled = vllm_gen.generate(ids, n=3, temperature=1.0, top_p=1.0, max_new_tokens=5, seed=7, desc="t")
     assert sampled == vllm_gen.generate(ids, n=3, temperature=1.0, top_p=1.0, max_new_tokens=5, seed=7, desc="t")
     assert [len(x) for x in sampled] == [3, 3, 3]
@@ -509,8 +628,13 @@ def _train(tmp_path, tokenizer, validate: bool):
     from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
 
     args = ExGRPOConfig(**config_kwargs(tmp_path, max_steps=4, replay_start_pass_rate=0.0))
-    trainer = ExGRPOTrainer(model=make_model(tokenizer), reward_funcs=make_reward(tokenizer), args=args,
-                            train_dataset=synthetic_dataset(), processing_class=tokenizer)
+    trainer = ExGRPOTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=make_reward(tokenizer),
+        args=args,
+        train_dataset=synthetic_dataset(),
+        processing_class=tokenizer,
+    )
     seen = []
     if validate:
         callback = ValidationCallback([_toy_validation_set()], steps=2, samples=2, max_new_tokens=4)
@@ -533,8 +657,11 @@ def _same_buffer(a, b) -> bool:
     import numpy as np
 
     (arrays_a, meta_a), (arrays_b, meta_b) = a, b
-    return meta_a == meta_b and arrays_a.keys() == arrays_b.keys() and all(
-        np.array_equal(arrays_a[k], arrays_b[k]) for k in arrays_a)
+    return (
+        meta_a == meta_b
+        and arrays_a.keys() == arrays_b.keys()
+        and all(np.array_equal(arrays_a[k], arrays_b[k]) for k in arrays_a)
+    )
 
 
 def test_validation_callback_logs_and_leaves_buffer_and_training_untouched(tmp_path, tokenizer):
@@ -559,7 +686,8 @@ def test_validation_callback_logs_and_leaves_buffer_and_training_untouched(tmp_p
         assert torch.equal(p, q), name
     train_logs = lambda t: [  # noqa: E731
         {k: v for k, v in e.items() if "time" not in k and "runtime" not in k and "per_second" not in k}
-        for e in t.state.log_history if "loss" in e
+        for e in t.state.log_history
+        if "loss" in e
     ]
     assert [e["step"] for e in validated.state.log_history if "loss" in e] == [1, 2, 3, 4]  # none dropped
     assert train_logs(plain) == train_logs(validated)
@@ -591,9 +719,14 @@ def test_validation_scores_are_the_graders(tmp_path, tokenizer, monkeypatch):
     model.gradient_checkpointing_enable()
     logged = []
     trainer = SimpleNamespace(
-        state=SimpleNamespace(global_step=10), processing_class=tokenizer, model_wrapped=model,
-        accelerator=Accelerator(cpu=True), add_callback=lambda cb: None, control=SimpleNamespace(should_log=True),
-        args=SimpleNamespace(ds3_gather_for_generation=True, gradient_checkpointing_kwargs={"use_reentrant": False}))
+        state=SimpleNamespace(global_step=10),
+        processing_class=tokenizer,
+        model_wrapped=model,
+        accelerator=Accelerator(cpu=True),
+        add_callback=lambda cb: None,
+        control=SimpleNamespace(should_log=True),
+        args=SimpleNamespace(ds3_gather_for_generation=True, gradient_checkpointing_kwargs={"use_reentrant": False}),
+    )
     monkeypatch.setattr(callbacks.Trainer, "log", lambda self, logs: logged.append(logs))
     callback = ValidationCallback([bench], steps=10, samples=3, max_new_tokens=4).attach(trainer)
     metrics = callback.validate()
@@ -618,13 +751,36 @@ def test_train_script_wires_validation(tmp_path):
     eval_set.to_json(str(toy / "eval.jsonl"))
     tiny = Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu.yaml"
     out = tmp_path / "out"
-    script_args, training_args, model_args = parse_args([
-        "--config", str(tiny), "--model_name_or_path", str(toy), "--dataset_name", str(toy / "train.jsonl"),
-        "--output_dir", str(out), "--max_steps", "2", "--save_strategy", "no", "--logging_steps", "1",
-        "--per_device_train_batch_size", "16", "--generation_batch_size", "32",
-        "--validation_dataset", f"addition={toy / 'eval.jsonl'}", "--validation_steps", "1",
-        "--validation_samples", "2", "--disable_tqdm", "true",
-    ])
+    script_args, training_args, model_args = parse_args(
+        [
+            "--config",
+            str(tiny),
+            "--model_name_or_path",
+            str(toy),
+            "--dataset_name",
+            str(toy / "train.jsonl"),
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "2",
+            "--save_strategy",
+            "no",
+            "--logging_steps",
+            "1",
+            "--per_device_train_batch_size",
+            "16",
+            "--generation_batch_size",
+            "32",
+            "--validation_dataset",
+            f"addition={toy / 'eval.jsonl'}",
+            "--validation_steps",
+            "1",
+            "--validation_samples",
+            "2",
+            "--disable_tqdm",
+            "true",
+        ]
+    )
     assert script_args.validation_dataset == [f"addition={toy / 'eval.jsonl'}"]
     assert (script_args.validation_steps, script_args.validation_samples) == (1, 2)
     assert train(script_args, training_args, model_args) == 0

@@ -141,8 +141,13 @@ def test_adapter_only_push(lora_trainer, base_dir, tokenizer, hub):
     files = set(upload["files"])
     assert {"adapter_config.json", "adapter_model.safetensors", "README.md", "tokenizer.json"} <= files
     # the adapter alone: no full weights, no base config
-    assert not [f for f in files if f.endswith((".safetensors", ".bin", ".pt")) and not f.startswith("adapter_model")
-                and f != "training_args.bin"]
+    assert not [
+        f
+        for f in files
+        if f.endswith((".safetensors", ".bin", ".pt"))
+        and not f.startswith("adapter_model")
+        and f != "training_args.bin"
+    ]
     assert "config.json" not in files and "model.safetensors" not in files
 
     config = json.loads((upload["dir"] / "adapter_config.json").read_text())

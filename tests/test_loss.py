@@ -16,7 +16,10 @@ def loss_and_grad(w: float, *, gamma, importance_correction=True, advantage=A):
     logp = torch.tensor([[BEHAVIOUR + math.log(w)]], dtype=torch.float64, requires_grad=True)
     behaviour = torch.tensor([[BEHAVIOUR]], dtype=torch.float64)
     loss, weight, shaped = shaped_replay_token_loss(
-        logp, behaviour, torch.tensor([[advantage]], dtype=torch.float64), gamma=gamma,
+        logp,
+        behaviour,
+        torch.tensor([[advantage]], dtype=torch.float64),
+        gamma=gamma,
         importance_correction=importance_correction,
     )
     loss.sum().backward()
@@ -29,7 +32,11 @@ def loss_and_grad(w: float, *, gamma, importance_correction=True, advantage=A):
 #   w = 10:  f = 10/10.1 = .990099,  loss = -1.980198, grad = -2 * 1 / 102.01    = -.0196059
 @pytest.mark.parametrize(
     "w, loss, grad, shaped",
-    [(0.01, -0.181818, -0.165289, 0.0909091), (1.0, -1.818182, -0.165289, 0.909091), (10.0, -1.980198, -0.0196059, 0.990099)],
+    [
+        (0.01, -0.181818, -0.165289, 0.0909091),
+        (1.0, -1.818182, -0.165289, 0.909091),
+        (10.0, -1.980198, -0.0196059, 0.990099),
+    ],
 )
 def test_shaped_loss_and_gradient(w, loss, grad, shaped):
     got = loss_and_grad(w, gamma=GAMMA)
@@ -90,13 +97,27 @@ MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
 )
 def test_aggregation_matches_trl_normalisers(loss_type, expected):
     got = aggregate_token_loss(
-        PER_TOKEN, MASK, loss_type=loss_type, max_completion_length=4, num_items_in_batch=torch.tensor(20.0),
-        num_processes=2, gradient_accumulation_steps=2, steps_per_generation=4,
+        PER_TOKEN,
+        MASK,
+        loss_type=loss_type,
+        max_completion_length=4,
+        num_items_in_batch=torch.tensor(20.0),
+        num_processes=2,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
     )
     assert got.item() == pytest.approx(expected, abs=1e-7)
 
 
 def test_aggregation_rejects_unknown_loss_type():
     with pytest.raises(ValueError, match="loss_type"):
-        aggregate_token_loss(PER_TOKEN, MASK, loss_type="ppo", max_completion_length=4, num_items_in_batch=None,
-                             num_processes=1, gradient_accumulation_steps=1, steps_per_generation=1)
+        aggregate_token_loss(
+            PER_TOKEN,
+            MASK,
+            loss_type="ppo",
+            max_completion_length=4,
+            num_items_in_batch=None,
+            num_processes=1,
+            gradient_accumulation_steps=1,
+            steps_per_generation=1,
+        )

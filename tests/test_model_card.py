@@ -91,16 +91,29 @@ def test_card_training_values(card_run):
     }
 
 
-@pytest.mark.parametrize("selection,cap,expected", [
-    ("random", 4, "random"),
-    ("lowest_entropy", None, "lowest_entropy (every stored trajectory scored)"),
-    ("highest_entropy", 2, "highest_entropy (of a shortlist of 2 by stored log-likelihood)"),
-])
+@pytest.mark.parametrize(
+    "selection,cap,expected",
+    [
+        ("random", 4, "random"),
+        ("lowest_entropy", None, "lowest_entropy (every stored trajectory scored)"),
+        ("highest_entropy", 2, "highest_entropy (of a shortlist of 2 by stored log-likelihood)"),
+    ],
+)
 def test_card_says_how_trajectories_are_selected(selection, cap, expected):
-    args = SimpleNamespace(replay_ratio=0.5, policy_shaping_gamma=0.1, replay_start_pass_rate=0.35, num_generations=8,
-                           question_selection="gaussian", replay_mu=0.5, replay_sigma=1.0,
-                           trajectory_selection=selection, max_trajectory_candidates=cap,
-                           replay_importance_correction=True, loss_type="dr_grpo", learning_rate=1e-6)
+    args = SimpleNamespace(
+        replay_ratio=0.5,
+        policy_shaping_gamma=0.1,
+        replay_start_pass_rate=0.35,
+        num_generations=8,
+        question_selection="gaussian",
+        replay_mu=0.5,
+        replay_sigma=1.0,
+        trajectory_selection=selection,
+        max_trajectory_candidates=cap,
+        replay_importance_correction=True,
+        loss_type="dr_grpo",
+        learning_rate=1e-6,
+    )
     buffer = SimpleNamespace(num_questions=0, num_trajectories=0, retired=set())
     text = exgrpo_card_section(args, buffer, global_step=0, replay_active=False)
     assert f"| trajectory selection | {expected} |" in text

@@ -1,7 +1,8 @@
 """notebooks/exgrpo_lora_single_gpu.ipynb: executed end to end in its CPU mode with nbclient (tiny local model, toy
 task, LoRA, 20 ExGRPO steps, the plots, the before/after table, the model card, and the Hub push through the local
 stand-in of tests/hub_stand_in.py); its GPU settings built for real; and the notebook's own rules (no logic of its
-own, committed without outputs). Plus the package helpers it calls (exgrpo_trl.utils.plotting, exgrpo_trl.eval.completions)."""
+own, committed without outputs). Plus the package helpers it calls (exgrpo_trl.utils.plotting,
+exgrpo_trl.eval.completions)."""
 
 from __future__ import annotations
 

@@ -152,7 +152,8 @@ def test_vllm_layout_matches_the_recipe(path):
         (serve_line,) = [line for line in serve if "CUDA_VISIBLE_DEVICES" in line]
         (train_line,) = [line for line in launch_lines(path, "accelerate launch") if "CUDA_VISIBLE_DEVICES" in line]
         serve_gpus, train_gpus = (
-            set(re.search(r"CUDA_VISIBLE_DEVICES=([\d,]+)", line).group(1).split(",")) for line in (serve_line, train_line)
+            set(re.search(r"CUDA_VISIBLE_DEVICES=([\d,]+)", line).group(1).split(","))
+            for line in (serve_line, train_line)
         )
         assert not serve_gpus & train_gpus and len(serve_gpus | train_gpus) == 8
         assert int(flag(tokens_of(serve_line), "--data-parallel-size")) == len(serve_gpus)
@@ -221,12 +222,27 @@ def _diff(a, b):
     [
         ("qwen7b_on_policy.yaml", {"replay_ratio"}),
         # (vllm_server_host: the server-mode address, unused when colocated)
-        ("qwen7b_colocate.yaml", {"vllm_mode", "vllm_gpu_memory_utilization", "vllm_max_model_length",
-                                  "vllm_server_host", "gradient_accumulation_steps"}),
+        (
+            "qwen7b_colocate.yaml",
+            {
+                "vllm_mode",
+                "vllm_gpu_memory_utilization",
+                "vllm_max_model_length",
+                "vllm_server_host",
+                "gradient_accumulation_steps",
+            },
+        ),
         ("llama8b_base.yaml", {"model_name_or_path", "replay_start_pass_rate"}),
         ("qwen7b_instruct.yaml", {"model_name_or_path"}),
-        ("qwen1.5b.yaml", {"model_name_or_path", "max_completion_length", "per_device_train_batch_size",
-                           "gradient_accumulation_steps"}),
+        (
+            "qwen1.5b.yaml",
+            {
+                "model_name_or_path",
+                "max_completion_length",
+                "per_device_train_batch_size",
+                "gradient_accumulation_steps",
+            },
+        ),
     ],
 )
 def test_variants_differ_from_the_7b_recipe_only_where_intended(name, expected):
@@ -248,7 +264,9 @@ def test_tiny_cpu_recipe_settings():
     assert args.report_to == []  # "none"
     assert script_args.reward_funcs == ["toy_addition"]
     assert model_args.dtype == "float32"
-    assert "python -m exgrpo_trl.tasks.toy --out outputs/tiny-toy" in " ".join(header(ROOT / "recipes" / "tiny_cpu.yaml"))
+    assert "python -m exgrpo_trl.tasks.toy --out outputs/tiny-toy" in " ".join(
+        header(ROOT / "recipes" / "tiny_cpu.yaml")
+    )
     assert model_args.model_name_or_path == "outputs/tiny-toy"
     assert script_args.dataset_name == "outputs/tiny-toy/train.jsonl"
 

@@ -13,8 +13,13 @@ from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory, tokenizer):
     kwargs = config_kwargs(tmp_path_factory.mktemp("sel"), replay_start_pass_rate=0.0, per_device_train_batch_size=16)
-    t = ExGRPOTrainer(model=make_model(tokenizer, seed=3), reward_funcs=make_reward(tokenizer),
-                      args=ExGRPOConfig(**kwargs), train_dataset=synthetic_dataset(), processing_class=tokenizer)
+    t = ExGRPOTrainer(
+        model=make_model(tokenizer, seed=3),
+        reward_funcs=make_reward(tokenizer),
+        args=ExGRPOConfig(**kwargs),
+        train_dataset=synthetic_dataset(),
+        processing_class=tokenizer,
+    )
     t.model.train()
     return t
 
@@ -35,8 +40,9 @@ COMPLETIONS = [[5, 6, 1], [7, 8, 9, 10, 11, 12, 1], [3, 4, 5, 6, 1]]
 def test_padded_batch_equals_alone(trainer):
     together = trainer._exgrpo_mean_entropies(PROMPTS, COMPLETIONS)
     alone = torch.cat([trainer._exgrpo_mean_entropies([p], [c]) for p, c in zip(PROMPTS, COMPLETIONS)])
-    reference = torch.tensor([reference_entropy(trainer.model, p, c) for p, c in zip(PROMPTS, COMPLETIONS)],
-                             dtype=torch.float64)
+    reference = torch.tensor(
+        [reference_entropy(trainer.model, p, c) for p, c in zip(PROMPTS, COMPLETIONS)], dtype=torch.float64
+    )
     assert torch.allclose(together.double(), alone.double(), atol=1e-5, rtol=0)
     assert torch.allclose(together.double(), reference, atol=1e-5, rtol=0)
     assert together.std() > 1e-3  # the three differ, so the comparison means something
@@ -54,8 +60,12 @@ def test_plan_picks_the_extreme_entropy(trainer, tokenizer, selection):
     trainer.args.trajectory_selection = selection
     buffer = trainer.experience_buffer
     buffer.questions.clear()
-    buffer.update_group(question_key(prompt), 3, {"prompt": prompt, "always": False},
-                        [Trajectory(np.array(c), np.full(len(c), -1.0 - i), 0) for i, c in enumerate(candidates)])
+    buffer.update_group(
+        question_key(prompt),
+        3,
+        {"prompt": prompt, "always": False},
+        [Trajectory(np.array(c), np.full(len(c), -1.0 - i), 0) for i, c in enumerate(candidates)],
+    )
     trainer.exgrpo_state["replay_active"] = True
     plan = trainer._exgrpo_make_plan(num_local=32)  # 4 groups: n_exp = min(1, floor(0.5 * 4)) = 1
     assert plan.group_indices == [3]
@@ -65,8 +75,16 @@ def test_plan_picks_the_extreme_entropy(trainer, tokenizer, selection):
     trainer.args.trajectory_selection = "lowest_entropy"
 
 
-@pytest.mark.parametrize("cap,selection", [(1, "lowest_entropy"), (2, "lowest_entropy"), (3, "lowest_entropy"),
-                                           (None, "lowest_entropy"), (2, "highest_entropy")])
+@pytest.mark.parametrize(
+    "cap,selection",
+    [
+        (1, "lowest_entropy"),
+        (2, "lowest_entropy"),
+        (3, "lowest_entropy"),
+        (None, "lowest_entropy"),
+        (2, "highest_entropy"),
+    ],
+)
 def test_candidate_cap_scores_the_shortlist(trainer, tokenizer, cap, selection, monkeypatch):
     prompt = "3+4="
     prompt_ids = tokenizer(prompt)["input_ids"]
@@ -86,14 +104,20 @@ def test_candidate_cap_scores_the_shortlist(trainer, tokenizer, cap, selection, 
     monkeypatch.setattr(trainer.args, "trajectory_selection", selection)
     buffer = trainer.experience_buffer
     buffer.questions.clear()
-    buffer.update_group(question_key(prompt), 3, {"prompt": prompt, "always": False},
-                        [Trajectory(np.array(c), np.full(len(c), -nll[i]), 0) for i, c in enumerate(candidates)])
+    buffer.update_group(
+        question_key(prompt),
+        3,
+        {"prompt": prompt, "always": False},
+        [Trajectory(np.array(c), np.full(len(c), -nll[i]), 0) for i, c in enumerate(candidates)],
+    )
     trainer.exgrpo_state["replay_active"] = True
     plan = trainer._exgrpo_make_plan(num_local=32)
     assert plan.completion_ids == [candidates[expected]]
     assert torch.equal(plan.behaviour_logps[0], torch.full((len(candidates[expected]),), -nll[expected]))
     # one candidate needs no scoring; otherwise exactly the shortlist is scored
-    assert [[list(map(int, ids)) for ids in c] for c in scored] == ([] if cap == 1 else [[candidates[i] for i in kept]])
+    assert [[list(map(int, ids)) for ids in c] for c in scored] == (
+        [] if cap == 1 else [[candidates[i] for i in kept]]
+    )
     assert len(buffer.questions[question_key(prompt)].trajectories) == 4  # the buffer itself keeps them all
     if cap == 2:  # the cap changes the pick here, so the test tells the shortlist from "score everything"
         assert expected != int(pick(entropies))
@@ -107,8 +131,12 @@ def test_random_selection_ignores_the_cap(trainer, tokenizer, monkeypatch):
     monkeypatch.setattr(trainer.args, "trajectory_selection", "random")
     buffer = trainer.experience_buffer
     buffer.questions.clear()
-    buffer.update_group(question_key(prompt), 3, {"prompt": prompt, "always": False},
-                        [Trajectory(np.array(c), np.full(len(c), -1.0), 0) for c in candidates])
+    buffer.update_group(
+        question_key(prompt),
+        3,
+        {"prompt": prompt, "always": False},
+        [Trajectory(np.array(c), np.full(len(c), -1.0), 0) for c in candidates],
+    )
     trainer.exgrpo_state["replay_active"] = True
     asked = []
     monkeypatch.setattr(buffer, "choose_random", lambda n: asked.append(n) or n - 2)

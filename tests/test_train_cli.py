@@ -63,8 +63,16 @@ def test_model_init_kwargs_from_model_config():
         "use_cache": True,
     }
     _, args, model_args = parse_args(
-        ["--config", str(TINY), "--gradient_checkpointing", "true", "--attn_implementation", "eager",
-         "--model_init_kwargs", '{"use_cache": true, "low_cpu_mem_usage": true}']
+        [
+            "--config",
+            str(TINY),
+            "--gradient_checkpointing",
+            "true",
+            "--attn_implementation",
+            "eager",
+            "--model_init_kwargs",
+            '{"use_cache": true, "low_cpu_mem_usage": true}',
+        ]
     )
     assert model_init_kwargs(model_args, args) == {
         "revision": "main",
@@ -111,15 +119,24 @@ def _entry_point(name: str) -> list[str]:
 def _run(entry: str, toy_dir: Path, out: Path, max_steps: int, *extra: str) -> subprocess.CompletedProcess:
     cmd = [
         *_entry_point(entry),
-        "--config", str(TINY),
-        "--model_name_or_path", str(toy_dir),
-        "--dataset_name", str(toy_dir / "train.jsonl"),
-        "--output_dir", str(out),
-        "--max_steps", str(max_steps),
-        "--save_steps", "1",
-        "--logging_steps", "1",
-        "--per_device_train_batch_size", "16",  # 2 questions x 8 rollouts
-        "--generation_batch_size", "32",  # 2 optimizer steps per generation batch, as in the paper
+        "--config",
+        str(TINY),
+        "--model_name_or_path",
+        str(toy_dir),
+        "--dataset_name",
+        str(toy_dir / "train.jsonl"),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        str(max_steps),
+        "--save_steps",
+        "1",
+        "--logging_steps",
+        "1",
+        "--per_device_train_batch_size",
+        "16",  # 2 questions x 8 rollouts
+        "--generation_batch_size",
+        "32",  # 2 optimizer steps per generation batch, as in the paper
         *extra,
     ]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -129,8 +146,14 @@ def _run(entry: str, toy_dir: Path, out: Path, max_steps: int, *extra: str) -> s
 def test_tiny_cpu_recipe_trains_evaluates_and_resumes(toy_dir, tmp_path):
     out = tmp_path / "out"
     evaluate = (
-        "--eval_strategy", "steps", "--eval_steps", "2", "--per_device_eval_batch_size", "16",
-        "--eval_dataset_name", str(toy_dir / "eval.jsonl"),
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        "2",
+        "--per_device_eval_batch_size",
+        "16",
+        "--eval_dataset_name",
+        str(toy_dir / "eval.jsonl"),
     )
     first = _run("exgrpo train", toy_dir, out, 2, *evaluate)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
@@ -154,7 +177,8 @@ def test_tiny_cpu_recipe_trains_evaluates_and_resumes(toy_dir, tmp_path):
     # the saved tokenizer is still the char tokenizer
     assert len(load_tokenizer(str(out))) == 16
 
-    # Same output_dir, more steps: picks up checkpoint-2 by itself and trains only step 3 (python -m exgrpo_trl.cli.train)
+    # Same output_dir, more steps: picks up checkpoint-2 by itself and trains only step 3
+    # (python -m exgrpo_trl.cli.train)
     second = _run("exgrpo_trl.cli.train", toy_dir, out, 3)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert f"Resuming from checkpoint {out / 'checkpoint-2'}" in second.stdout + second.stderr

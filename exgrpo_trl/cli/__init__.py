@@ -31,4 +31,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
     return int(module.main(rest) or 0)
-

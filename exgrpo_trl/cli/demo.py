@@ -67,9 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--warm-start-seed", type=int, default=None, help="seed of the warm start (default 0)")
     p.add_argument("--data-seed", type=int, default=None, help="seed of the train/eval question split (default 0)")
-    p.add_argument(
-        "--cache-dir", default=".cache/exgrpo-demo", help="warm-start cache (default: .cache/exgrpo-demo)"
-    )
+    p.add_argument("--cache-dir", default=".cache/exgrpo-demo", help="warm-start cache (default: .cache/exgrpo-demo)")
     p.add_argument("--train-questions", type=int, default=None, help="RL training questions (default 2000)")
     p.add_argument("--eval-questions", type=int, default=None, help="held-out questions (default 200)")
     p.add_argument("--eval-samples", type=int, default=None, help="samples per held-out question (default 16)")
@@ -335,9 +333,7 @@ def _figure(path: Path, results: dict, smoothing: int) -> None:
     threshold = (results.get("settings", {}).get("exgrpo_settings") or {}).get("replay_start_pass_rate")
     if threshold:
         ax.axhline(threshold, color="k", ls=":", lw=1, label=f"ExGRPO delayed-start threshold ({threshold:g})")
-    ax.set(
-        title="training reward (= batch pass@1: binary reward)", xlabel="optimizer step", ylabel="reward"
-    )
+    ax.set(title="training reward (= batch pass@1: binary reward)", xlabel="optimizer step", ylabel="reward")
     ax.set_ylim(bottom=0)
     ax.legend(loc="lower right")
 
@@ -358,8 +354,15 @@ def _figure(path: Path, results: dict, smoothing: int) -> None:
         ax.axvline(start, color="k", ls=":", lw=1)
         ax.annotate(" replay on", (start, 0), xytext=(2, 4), textcoords="offset points", fontsize=9)
     else:
-        ax.text(0.5, 0.6, "replay never switched on\n(no training batch reached the delayed-start pass rate)",
-                ha="center", va="center", transform=ax.transAxes, fontsize=10)
+        ax.text(
+            0.5,
+            0.6,
+            "replay never switched on\n(no training batch reached the delayed-start pass rate)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+            fontsize=10,
+        )
     ax.set(title="ExGRPO experience: buffer and retired set", xlabel="optimizer step", ylabel="questions")
     ax.set_ylim(bottom=0)
 
@@ -521,8 +524,10 @@ def _run(settings: dict, progress: bool, out: Path) -> int:
             "platform": {"python": platform.python_version(), "threads": torch.get_num_threads()},
         },
         "timings": timings,
-        "pass_at_1": {k: {"overall": e["overall"], "by_digits": {str(d): v for d, v in e["by_digits"].items()}}
-                      for k, e in evals.items()},
+        "pass_at_1": {
+            k: {"overall": e["overall"], "by_digits": {str(d): v for d, v in e["by_digits"].items()}}
+            for k, e in evals.items()
+        },
         "per_question_pass_rate": {
             "prompt": list(eval_set["prompt"]),
             "digits": list(eval_set["digits"]),

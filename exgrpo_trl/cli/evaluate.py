@@ -34,6 +34,7 @@ from ..eval.report import evaluate_benchmark, markdown_table, summarize
 
 logger = logging.getLogger(__name__)
 
+
 # ----------------------------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------------------------
@@ -66,36 +67,58 @@ def build_arg_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", default=None, help="tokenizer to use instead of the model's")
     parser.add_argument("--revision", default=None)
     parser.add_argument("--trust-remote-code", action="store_true")
-    parser.add_argument("--benchmarks", default=",".join(BENCHMARKS),
-                        help=f"comma-separated, of {', '.join(BENCHMARKS)} (default: all) or names given with --data")
-    parser.add_argument("--data", action="append", default=[], metavar="NAME=PATH",
-                        help="read a benchmark from a local file of its Hub schema (repeatable); a NAME outside the "
-                        "registry adds a math benchmark with prompt/question/problem + answer columns")
-    parser.add_argument("--data-dir", default=None,
-                        help="folder with local benchmark files NAME.jsonl/.json/.parquet/.csv")
-    parser.add_argument("--samples", default=None,
-                        help="samples per question: N for all, or NAME=N,... "
-                        "(default: 32 for aime24, aime25, amc; 1 else)")
+    parser.add_argument(
+        "--benchmarks",
+        default=",".join(BENCHMARKS),
+        help=f"comma-separated, of {', '.join(BENCHMARKS)} (default: all) or names given with --data",
+    )
+    parser.add_argument(
+        "--data",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="read a benchmark from a local file of its Hub schema (repeatable); a NAME outside the "
+        "registry adds a math benchmark with prompt/question/problem + answer columns",
+    )
+    parser.add_argument(
+        "--data-dir", default=None, help="folder with local benchmark files NAME.jsonl/.json/.parquet/.csv"
+    )
+    parser.add_argument(
+        "--samples",
+        default=None,
+        help="samples per question: N for all, or NAME=N,... (default: 32 for aime24, aime25, amc; 1 else)",
+    )
     parser.add_argument("--temperature", default=str(DEFAULT_TEMPERATURE), help="T or NAME=T,... (default 0.6)")
     parser.add_argument("--top-p", default=str(DEFAULT_TOP_P), help="P or NAME=P,... (default 1.0)")
     parser.add_argument("--max-new-tokens", default=str(DEFAULT_MAX_NEW_TOKENS), help="N or NAME=N,... (default 8192)")
-    parser.add_argument("--limit", type=int, default=None,
-                        help="evaluate only the first N questions of each benchmark")
-    parser.add_argument("--system-prompt", default=None,
-                        help="system prompt (default: LUFFY's, as in training; '' for none)")
-    parser.add_argument("--require-think-end", action="store_true",
-                        help="grade like the training reward: a completion without </think> scores 0")
-    parser.add_argument("--backend", choices=("auto", "transformers", "vllm"), default="auto",
-                        help="auto: vLLM if importable and a GPU is present, else transformers")
+    parser.add_argument(
+        "--limit", type=int, default=None, help="evaluate only the first N questions of each benchmark"
+    )
+    parser.add_argument(
+        "--system-prompt", default=None, help="system prompt (default: LUFFY's, as in training; '' for none)"
+    )
+    parser.add_argument(
+        "--require-think-end",
+        action="store_true",
+        help="grade like the training reward: a completion without </think> scores 0",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("auto", "transformers", "vllm"),
+        default="auto",
+        help="auto: vLLM if importable and a GPU is present, else transformers",
+    )
     parser.add_argument("--dtype", default="auto", help="model dtype (auto, bfloat16, float16, float32)")
-    parser.add_argument("--device", default=None,
-                        help="transformers backend: device (default: cuda if available, else cpu)")
+    parser.add_argument(
+        "--device", default=None, help="transformers backend: device (default: cuda if available, else cpu)"
+    )
     parser.add_argument("--batch-size", type=int, default=64, help="transformers backend: sequences per generate call")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vLLM")
     parser.add_argument("--max-model-len", type=int, default=None, help="vLLM")
-    parser.add_argument("--vllm-kwargs", default=None,
-                        help='vLLM: more vllm.LLM arguments as JSON, e.g. \'{"enforce_eager": true}\'')
+    parser.add_argument(
+        "--vllm-kwargs", default=None, help="vLLM: more vllm.LLM arguments as JSON, e.g. '{\"enforce_eager\": true}'"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", default=None, help="default: eval_results/<model folder name>")
     parser.add_argument("--name", default=None, help="row label in the table (default: the model's folder name)")
@@ -132,10 +155,17 @@ def make_generator(args: argparse.Namespace, tokenizer):
         backend = "vllm" if vllm_available() else "transformers"
     if backend == "vllm":
         generator = VLLMGenerator(
-            args.model, tokenizer, tokenizer_path=args.tokenizer, dtype=args.dtype,
-            tensor_parallel_size=args.tensor_parallel_size, gpu_memory_utilization=args.gpu_memory_utilization,
-            max_model_len=args.max_model_len, seed=args.seed, revision=args.revision,
-            trust_remote_code=args.trust_remote_code, progress=not args.no_progress,
+            args.model,
+            tokenizer,
+            tokenizer_path=args.tokenizer,
+            dtype=args.dtype,
+            tensor_parallel_size=args.tensor_parallel_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+            revision=args.revision,
+            trust_remote_code=args.trust_remote_code,
+            progress=not args.no_progress,
             llm_kwargs=json.loads(args.vllm_kwargs) if args.vllm_kwargs else None,
         )
         return generator, backend
@@ -171,8 +201,12 @@ def run_evaluation(args: argparse.Namespace, generator=None, tokenizer=None) -> 
     temp_default, temp_per = parse_per_benchmark(args.temperature, float, "temperature")
     top_p_default, top_p_per = parse_per_benchmark(args.top_p, float, "top-p")
     tokens_default, tokens_per = parse_per_benchmark(args.max_new_tokens, int, "max-new-tokens")
-    for option, per in (("samples", samples_per), ("temperature", temp_per), ("top-p", top_p_per),
-                        ("max-new-tokens", tokens_per)):
+    for option, per in (
+        ("samples", samples_per),
+        ("temperature", temp_per),
+        ("top-p", top_p_per),
+        ("max-new-tokens", tokens_per),
+    ):
         unknown = sorted(set(per) - set(names))
         if unknown:
             raise ValueError(f"--{option} names benchmark(s) {unknown} that are not evaluated ({names})")
@@ -184,8 +218,9 @@ def run_evaluation(args: argparse.Namespace, generator=None, tokenizer=None) -> 
     if tokenizer is None:
         from ..utils.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(args.tokenizer or args.model, revision=args.revision or "main",
-                                   trust_remote_code=args.trust_remote_code)
+        tokenizer = load_tokenizer(
+            args.tokenizer or args.model, revision=args.revision or "main", trust_remote_code=args.trust_remote_code
+        )
     backend = getattr(generator, "backend_name", type(generator).__name__) if generator is not None else None
     if generator is None:
         generator, backend = make_generator(args, tokenizer)
@@ -195,12 +230,15 @@ def run_evaluation(args: argparse.Namespace, generator=None, tokenizer=None) -> 
     output_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
     all_records: list[dict[str, Any]] = []
+
     def pick(per: dict[str, Any], default: Any, fallback: Any, name: str) -> Any:
         return per.get(name, default if default is not None else fallback)
 
     for bench in benchmarks:
         result, records = evaluate_benchmark(
-            bench, generator, tokenizer,
+            bench,
+            generator,
+            tokenizer,
             samples=pick(samples_per, samples_default, bench.samples, bench.name),
             temperature=pick(temp_per, temp_default, DEFAULT_TEMPERATURE, bench.name),
             top_p=pick(top_p_per, top_p_default, DEFAULT_TOP_P, bench.name),
@@ -234,7 +272,8 @@ def run_evaluation(args: argparse.Namespace, generator=None, tokenizer=None) -> 
         for r in results.values()
     )
     graded = (
-        "completions without </think> score 0" if args.require_think_end
+        "completions without </think> score 0"
+        if args.require_think_end
         else "graded after the last </think> when present, else the whole completion"
     )
     markdown = (

@@ -32,7 +32,8 @@ Any benchmark can instead be read from a local file of the same schema (``--data
 ``--data-dir``), and a name outside the registry with ``--data NAME=PATH`` adds a math benchmark read like training
 data (`tasks.math_data.to_math_prompts`: a ``prompt`` column as is, else ``question``/``problem``; ``answer``).
 
-Prompts: the training format (`tasks.math_data.luffy_messages`: LUFFY's system prompt + the question as the user turn, rendered
+Prompts: the training format (`tasks.math_data.luffy_messages`: LUFFY's system prompt + the question as the user turn,
+rendered
 with the tokenizer's chat template and the generation prompt, as TRL renders training prompts). Multiple-choice
 questions list their options after the question as ``A. text`` lines (ARC keeps its order and re-letters numeric
 labels ``1-4`` as ``A-D``; GPQA's four answers are shuffled with a fixed per-question seed, the SHA-256 of the

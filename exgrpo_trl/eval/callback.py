@@ -142,22 +142,31 @@ class ValidationCallback(TrainerCallback):
                 rows: list[dict[str, Any]] = []
                 if shard:
                     result, records = evaluate_benchmark(
-                        bench, generator, tokenizer, samples=self.samples, temperature=self.temperature,
-                        top_p=self.top_p, max_new_tokens=self.max_new_tokens, seed=self.seed + rank,
-                        require_think_end=self.require_think_end, questions=shard,
+                        bench,
+                        generator,
+                        tokenizer,
+                        samples=self.samples,
+                        temperature=self.temperature,
+                        top_p=self.top_p,
+                        max_new_tokens=self.max_new_tokens,
+                        seed=self.seed + rank,
+                        require_think_end=self.require_think_end,
+                        questions=shard,
                     )
                     by_question: dict[str, list[dict[str, Any]]] = {}
                     for record in records:
                         by_question.setdefault(record["id"], []).append(record)
                     for q in result["per_question"]:
                         recs = by_question.get(q["id"], [])
-                        rows.append({
-                            "mean": q["mean"],
-                            "n": len(recs),
-                            "found": sum(r["extracted"] is not None for r in recs),
-                            "truncated": sum(bool(r["truncated"]) for r in recs),
-                            "tokens": sum(r["num_tokens"] for r in recs),
-                        })
+                        rows.append(
+                            {
+                                "mean": q["mean"],
+                                "n": len(recs),
+                                "found": sum(r["extracted"] is not None for r in recs),
+                                "truncated": sum(bool(r["truncated"]) for r in recs),
+                                "tokens": sum(r["num_tokens"] for r in recs),
+                            }
+                        )
                 gathered[bench.name] = gather_object(rows) if world > 1 else rows
 
         prefix = self.metric_prefix
@@ -178,7 +187,8 @@ class ValidationCallback(TrainerCallback):
             metrics[f"{prefix}average"] = sum(accuracies.values()) / len(accuracies)
             for group, flag in (("in_distribution_avg", True), ("out_of_distribution_avg", False)):
                 values = [
-                    a for name, a in accuracies.items()
+                    a
+                    for name, a in accuracies.items()
                     if name in BENCHMARKS and BENCHMARKS[name].in_distribution is flag
                 ]
                 if values:

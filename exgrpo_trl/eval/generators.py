@@ -80,8 +80,14 @@ class TransformersGenerator:
         if pad is None:
             pad = eos[0] if eos else 0
         sample = temperature > 0
-        config = dict(max_new_tokens=max_new_tokens, do_sample=sample, eos_token_id=eos or None, pad_token_id=pad,
-                      num_return_sequences=1, repetition_penalty=1.0)
+        config = dict(
+            max_new_tokens=max_new_tokens,
+            do_sample=sample,
+            eos_token_id=eos or None,
+            pad_token_id=pad,
+            num_return_sequences=1,
+            repetition_penalty=1.0,
+        )
         if sample:
             config.update(temperature=temperature, top_p=top_p, top_k=0)
         generation_config = GenerationConfig(**config)
@@ -177,8 +183,13 @@ class VLLMGenerator:
         from vllm import LLM
 
         kwargs = dict(
-            model=model, tokenizer=tokenizer_path or model, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization, seed=seed, revision=revision,
+            model=model,
+            tokenizer=tokenizer_path or model,
+            dtype=dtype,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
+            revision=revision,
             trust_remote_code=trust_remote_code,
         )
         if max_model_len is not None:
@@ -204,8 +215,15 @@ class VLLMGenerator:
         # One seed per request (from the run's seed, the benchmark and the question's position): reproducible, and
         # unlike one shared seed, different questions do not reuse the same random draws.
         params = [
-            SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=-1, repetition_penalty=1.0,
-                           max_tokens=max_new_tokens, seed=_request_seed(seed, desc, i))
+            SamplingParams(
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=-1,
+                repetition_penalty=1.0,
+                max_tokens=max_new_tokens,
+                seed=_request_seed(seed, desc, i),
+            )
             for i in range(len(prompt_ids))
         ]
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_ids]

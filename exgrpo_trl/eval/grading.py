@@ -13,6 +13,7 @@ from .registry import EvalQuestion, normalize_reference
 
 logger = logging.getLogger(__name__)
 
+
 # ----------------------------------------------------------------------------------------------------------------
 # Grading
 # ----------------------------------------------------------------------------------------------------------------
@@ -182,12 +183,14 @@ def avg_at_k(scores: Sequence[Sequence[float]]) -> float:
     return sum(per_question) / len(per_question) if per_question else math.nan
 
 
-
 def grade(question: EvalQuestion, completion: Any, *, require_think_end: bool = False) -> Grade:
     """Grade one completion of `question` by its kind."""
     if question.kind == "choice":
         return grade_choice(
-            completion, question.answers[0], question.letters or "", question.options,
+            completion,
+            question.answers[0],
+            question.letters or "",
+            question.options,
             require_think_end=require_think_end,
         )
     return grade_math(completion, question.answers, require_think_end=require_think_end)

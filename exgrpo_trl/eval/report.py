@@ -26,6 +26,7 @@ from .registry import (
 
 logger = logging.getLogger(__name__)
 
+
 # ----------------------------------------------------------------------------------------------------------------
 # Evaluation
 # ----------------------------------------------------------------------------------------------------------------
@@ -59,7 +60,12 @@ def evaluate_benchmark(
     prompt_ids = [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
     start = time.perf_counter()
     outputs = generator.generate(
-        prompt_ids, n=samples, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
+        prompt_ids,
+        n=samples,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
         desc=bench.name,
     )
     per_question, records = [], []
@@ -73,15 +79,26 @@ def evaluate_benchmark(
             truncated += completion.truncated
             tokens += completion.num_tokens
             total += 1
-            records.append({
-                "benchmark": bench.name, "id": question.id, "sample": k, "completion": completion.text,
-                "extracted": result.extracted, "score": result.score, "num_tokens": completion.num_tokens,
-                "truncated": completion.truncated,
-            })
-        per_question.append({
-            "id": question.id, "answers": question.answers, "scores": scores,
-            "mean": sum(scores) / len(scores) if scores else math.nan,
-        })
+            records.append(
+                {
+                    "benchmark": bench.name,
+                    "id": question.id,
+                    "sample": k,
+                    "completion": completion.text,
+                    "extracted": result.extracted,
+                    "score": result.score,
+                    "num_tokens": completion.num_tokens,
+                    "truncated": completion.truncated,
+                }
+            )
+        per_question.append(
+            {
+                "id": question.id,
+                "answers": question.answers,
+                "scores": scores,
+                "mean": sum(scores) / len(scores) if scores else math.nan,
+            }
+        )
     accuracy = avg_at_k([q["scores"] for q in per_question])
     result = {
         "name": bench.name,
@@ -163,6 +180,7 @@ def markdown_table(results: dict[str, dict[str, Any]], label: str, *, paper_rows
     ]
     if paper_rows:
         for paper_row in PAPER_RESULTS:
+
             def paper_cell(key: str, paper_row: str = paper_row) -> float | None:
                 if key.startswith("@"):
                     group = key[1:]
@@ -178,10 +196,16 @@ def markdown_table(results: dict[str, dict[str, Any]], label: str, *, paper_rows
         return results[key]["score"]
 
     lines.append(row(f"**{label}**", own_cell))
-    notes = ["", "Metrics: " + ", ".join(
-        f"{results[n].get('title', n)} {results[n]['metric']} ({results[n]['num_questions']} questions)"
-        for _, n in columns if not n.startswith("@")
-    ) + "."]
+    notes = [
+        "",
+        "Metrics: "
+        + ", ".join(
+            f"{results[n].get('title', n)} {results[n]['metric']} ({results[n]['num_questions']} questions)"
+            for _, n in columns
+            if not n.startswith("@")
+        )
+        + ".",
+    ]
     partial = [g for g in summary if summary[g]["benchmarks"] and not summary[g]["complete"]]
     if partial:
         notes.append("* Average over the benchmarks evaluated here; the paper's rows are averaged over the same ones.")

@@ -48,7 +48,7 @@ LUFFY_SYSTEM_PROMPT = (
     "This involves analyzing, summarizing, exploring, reassessing, and refining your thought process through "
     "multiple iterations. Structure your response into two sections: Thought and Solution. In the Thought "
     'section, present your reasoning using the format: "<think>\n {thoughts} </think>\n". Each thought should '
-    "include detailed analysis, brainstorming, verification, and refinement of ideas. After \"</think>\n,\" in the "
+    'include detailed analysis, brainstorming, verification, and refinement of ideas. After "</think>\n," in the '
     "Solution section, provide the final, logical, and accurate answer, clearly derived from the exploration in the "
     "Thought section. If applicable, include the answer in \\boxed{} for closed-form results like multiple choices "
     "or mathematical solutions."
@@ -90,9 +90,7 @@ def load_raw_dataset(name_or_path: str, *, split: str = "train", config: str | N
 
 
 def _missing(dataset: Dataset, what: str, column: str, hint: str) -> ValueError:
-    return ValueError(
-        f"the dataset has no {what} column {column!r}; its columns are {dataset.column_names}. {hint}"
-    )
+    return ValueError(f"the dataset has no {what} column {column!r}; its columns are {dataset.column_names}. {hint}")
 
 
 def _is_messages(value: Any) -> bool:

@@ -26,6 +26,7 @@ such gap: it is killed.)
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
@@ -243,10 +244,8 @@ class _Worker:
         proc.kill()
         proc.wait()
         for stream in (proc.stdin, proc.stdout):
-            try:
+            with contextlib.suppress(OSError):
                 stream.close()
-            except OSError:
-                pass
 
     def score(self, solution: str, answer: str, parse_timeout_s: float, verify_timeout_s: float) -> float:
         budget = 2 * parse_timeout_s + verify_timeout_s + WORKER_SLACK_S
