@@ -93,7 +93,23 @@ class ExGRPOConfig(GRPOConfig):
         default=True,
         metadata={
             "help": "Skip retired questions (solved K/K) when fresh questions are drawn from the dataset, from the "
-            "next epoch on. Applies only while replay_ratio > 0."
+            "next epoch on. Applies only while replay_ratio > 0, unless skip_retired_without_replay is set."
+        },
+    )
+    skip_retired_without_replay: bool = field(
+        default=False,
+        metadata={
+            "help": "Also skip retired questions when replay_ratio is 0: GRPO with retired questions skipped, a "
+            "diagnostic that isolates retirement from replay. Off by default, so that replay_ratio=0 trains "
+            "exactly like GRPOTrainer."
+        },
+    )
+    replay_stored_trajectory: bool = field(
+        default=True,
+        metadata={
+            "help": "Put the selected stored trajectory in its replayed question's group (the paper). False "
+            "revisits the questions replay draws with K fresh rollouts and no stored trajectory: a diagnostic that "
+            "separates which questions replay brings back from the off-policy row it adds."
         },
     )
 

@@ -82,10 +82,16 @@ class ReplayPlan:
     behaviour_logps: list[torch.Tensor]  # (L,) float32 each
     num_groups: int  # groups in the whole generation batch
     selected_entropies: list[float] = field(default_factory=list)  # of the scored (>= 2 candidates) questions
+    with_trajectories: bool = True  # False: the questions are revisited with K fresh rollouts, no stored row
 
     @classmethod
     def build(
-        cls, drawn: Sequence[ReplayQuestion], chosen: Sequence[int], num_groups: int, selected_entropies=()
+        cls,
+        drawn: Sequence[ReplayQuestion],
+        chosen: Sequence[int],
+        num_groups: int,
+        selected_entropies=(),
+        with_trajectories: bool = True,
     ) -> ReplayPlan:
         """The plan from the drawn questions and the index of each one's chosen candidate."""
         picked = [question.candidates[c] for question, c in zip(drawn, chosen)]
@@ -97,6 +103,7 @@ class ReplayPlan:
             behaviour_logps=[torch.tensor(t.logps, dtype=torch.float32) for t in picked],
             num_groups=num_groups,
             selected_entropies=list(selected_entropies),
+            with_trajectories=with_trajectories,
         )
 
 
@@ -115,7 +122,8 @@ class RowAssignment:
 
 def assign_rows(inputs: Sequence[dict], plan: ReplayPlan | None, *, process_index: int, k: int) -> RowAssignment:
     """Give the K rows of each replayed group to its question and reserve the group's first row for its stored
-    trajectory. Rank r holds global rows r * len(inputs) ... (r + 1) * len(inputs) - 1 (TRL's contiguous split)."""
+    trajectory (none for a plan without trajectories: all K rows are generated). Rank r holds global rows
+    r * len(inputs) ... (r + 1) * len(inputs) - 1 (TRL's contiguous split)."""
     inputs = list(inputs)
     replay_rows = [-1] * len(inputs)
     splice: dict[int, list[int]] = {}
@@ -127,7 +135,7 @@ def assign_rows(inputs: Sequence[dict], plan: ReplayPlan | None, *, process_inde
             local = global_row - offset
             if 0 <= local < len(inputs):
                 inputs[local] = dict(row)
-                if global_row == group * k:
+                if global_row == group * k and plan.with_trajectories:
                     replay_rows[local] = j
                     splice[local] = plan.completion_ids[j]
     return RowAssignment(inputs, replay_rows, splice)

@@ -92,6 +92,9 @@ class ExGRPOTrainer(GRPOTrainer):
        TRL skips them); after the last micro-batch of that pass, `_exgrpo_flush` gathers every rank's outcome and
        commits it to the buffer.
 
+    `last_replay_plan` holds the plan of the last training generation batch (None when nothing was replayed), for
+    callbacks and studies to read.
+
     Also overridden, each calling `super()`:
     - `_get_train_sampler`: wraps TRL's RepeatSampler to skip retired questions from the next epoch on.
     - `_save_checkpoint` / `_load_optimizer_and_scheduler`: the buffer and ExGRPO's switches are written into
@@ -162,11 +165,16 @@ class ExGRPOTrainer(GRPOTrainer):
         self._exgrpo_pending: PendingCollection | None = None  # its outcome, until committed to the buffer
         self._exgrpo_captured: list[torch.Tensor] | None = None  # open while `_exgrpo_capture_logps` is
         self._exgrpo_sampler: SkipRetiredSampler | None = None
+        # The plan of the last training generation batch (None: nothing replayed), for callbacks and studies.
+        self.last_replay_plan: ReplayPlan | None = None
 
     # ------------------------------------------------------------------------------------------ data
     def _get_train_sampler(self, dataset=None):
         sampler = super()._get_train_sampler(dataset)
-        if self.args.replay_ratio > 0 and self.args.skip_retired_questions:
+        skip = self.args.skip_retired_questions and (
+            self.args.replay_ratio > 0 or self.args.skip_retired_without_replay
+        )
+        if skip:
             dataset = self.train_dataset if dataset is None else dataset
             sampler = SkipRetiredSampler(sampler, lambda: dataset["prompt"], self.experience_buffer.retired)
             previous = getattr(self, "_exgrpo_sampler", None)
@@ -181,7 +189,7 @@ class ExGRPOTrainer(GRPOTrainer):
             return super()._generate_and_score_completions(inputs)
 
         self._exgrpo_flush()  # normally already done after the first loss pass; a no-op then
-        plan = self._exgrpo_make_plan(len(inputs))
+        plan = self.last_replay_plan = self._exgrpo_make_plan(len(inputs))
         rows = self._exgrpo_apply_plan(inputs, plan)
         self._pending_extra_logs[REPLAYED_COLUMN].extend(rows.is_replayed(i) for i in range(len(inputs)))
         batch = self._exgrpo_batch = GenerationBatch(plan, rows)
@@ -265,7 +273,7 @@ class ExGRPOTrainer(GRPOTrainer):
         scored = [i for i, question in enumerate(drawn) if len(question.candidates) > 1]
         chosen = [0] * len(drawn)
         selected_entropies = []
-        if scored and cfg.trajectory_selection != "random":
+        if scored and cfg.trajectory_selection != "random" and cfg.replay_stored_trajectory:
             prompt_ids = self._tokenize_prompts([drawn[i].row["prompt"] for i in scored])[0]
             flat_prompts, flat_completions = [], []
             for j, i in enumerate(scored):
@@ -279,7 +287,7 @@ class ExGRPOTrainer(GRPOTrainer):
                 chosen[i] = select_lowest(scores, highest=cfg.trajectory_selection == "highest_entropy")
                 selected_entropies.append(float(scores[chosen[i]]))
                 start += len(drawn[i].candidates)
-        return ReplayPlan.build(drawn, chosen, num_groups, selected_entropies)
+        return ReplayPlan.build(drawn, chosen, num_groups, selected_entropies, cfg.replay_stored_trajectory)
 
     @torch.no_grad()
     def _exgrpo_score_entropies(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> torch.Tensor:
@@ -364,7 +372,7 @@ class ExGRPOTrainer(GRPOTrainer):
         num_local = len(batch.rows.inputs)
         output["exgrpo_row"] = torch.arange(num_local, device=device)
         output["exgrpo_collect"] = torch.tensor([i in pending.rows for i in range(num_local)], device=device)
-        if batch.plan is not None:
+        if batch.plan is not None and batch.plan.with_trajectories:
             replay_rows = batch.rows.replay_rows
             behaviour = torch.zeros(output["completion_ids"].shape, dtype=torch.float32, device=device)  # (B, T)
             for local, j in enumerate(replay_rows):

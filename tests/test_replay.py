@@ -115,6 +115,12 @@ def test_assign_rows_on_two_ranks_with_a_group_spanning_both():
     assert rank1.splice == {2: [102, EOS]}
     assert rank1.is_replayed(2) and not rank1.is_replayed(0)
     assert fresh[0] == {"prompt": "fresh-0"}  # the caller's rows are not modified
+    # revisiting without the stored trajectory: the same rows get the questions, none is reserved
+    revisit = plan_for([1, 2], 3, 4)
+    revisit.with_trajectories = False
+    rank1 = assign_rows(fresh, revisit, process_index=1, k=k)
+    assert [x["prompt"] for x in rank1.inputs] == ["replayed-1"] * 2 + ["replayed-2"] * 4
+    assert rank1.replay_rows == [-1] * 6 and rank1.splice == {}
     none = assign_rows(fresh, None, process_index=0, k=k)
     assert none.inputs == fresh and none.replay_rows == [-1] * 6 and none.splice == {}
 

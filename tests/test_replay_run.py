@@ -128,6 +128,51 @@ def test_retired_questions_are_skipped_from_the_next_epoch(tmp_path, tokenizer):
     assert len(epoch2) == 4 and trainer.state.global_step == 8
 
 
+def test_grpo_with_retired_questions_skipped(tmp_path, tokenizer):
+    # replay_ratio 0 with skip_retired_without_replay: nothing is replayed, yet the retired questions (every 4th,
+    # always solved) are not drawn fresh from epoch 2 on. Without the switch replay_ratio 0 is plain GRPO's sampler.
+    from trl.trainer.utils import RepeatSampler
+
+    dataset = synthetic_dataset(n=16, always_every=4)
+    trainer = run(
+        tmp_path, tokenizer, dataset=dataset, max_steps=8, replay_ratio=0.0, skip_retired_without_replay=True
+    )
+    assert all(b["plan"] is None for b in trainer.batches)
+    retired = trainer.batches[4]["before"]["retired"]
+    always = {question_key(p) for p, a in zip(dataset["prompt"], dataset["always"]) if a}
+    assert retired == always  # every group fresh in epoch 1: each always-solved question was seen and retired
+    for batch in trainer.batches[4:]:
+        assert not {question_key(batch["prompts"][g * 8]) for g in range(4)} & retired
+    plain = ExGRPOTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=make_reward(tokenizer),
+        args=ExGRPOConfig(**config_kwargs(tmp_path / "plain", replay_ratio=0.0)),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    assert type(plain._get_train_sampler()) is RepeatSampler
+
+
+def test_revisit_without_replay(tmp_path, tokenizer):
+    # replay_stored_trajectory=False: the questions replay draws come back with K fresh rollouts, no stored row, no
+    # replayed-token loss; their fresh successes are collected like any other group's.
+    trainer = run(tmp_path, tokenizer, max_steps=6, replay_stored_trajectory=False)
+    revisited = 0
+    for batch in trainer.batches:
+        plan, out = batch["plan"], batch["output"]
+        assert "exgrpo_replay_mask" not in out and batch["splice"] == {}
+        assert batch["replay_rows"] == [-1] * len(batch["prompts"])
+        if plan is None:
+            continue
+        assert not plan.with_trajectories and plan.selected_entropies == []
+        for j, g in enumerate(plan.group_indices):
+            assert batch["prompts"][g * 8 : (g + 1) * 8] == [plan.rows[j]["prompt"]] * 8
+            assert plan.keys[j] in batch["before"]["trajectories"]  # drawn from the buffer
+            revisited += 1
+    assert revisited >= 4
+    assert not [h for h in trainer.state.log_history if "exgrpo/replay/loss" in h]
+
+
 def test_delayed_start(tmp_path, tokenizer):
     # Replay switches on after the first purely on-policy batch whose Pass@1 is strictly above the threshold, from
     # the next generation batch on, and stays on. The synthetic reward solves 30-60% of an untrained model's rollouts.
