@@ -315,26 +315,114 @@ def has_state(directory: str | os.PathLike) -> bool:
 
 
 def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
-    """Read and check `state.json` (format and version); raises StateFileError naming the file."""
+    """Read and check `state.json`: format, version, and the shape of every field the readers use (so that a state
+    file of the wrong shape is reported, not met later as a KeyError). Raises StateFileError naming the file."""
     path = Path(directory) / STATE_DIRNAME / META_FILENAME
     if not path.is_file():
         raise StateFileError(f"ExGRPO state file is missing: {path}")
     try:
         with open(path, encoding="utf-8") as f:
             meta = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    # ValueError: also an integer of too many digits; RecursionError: arrays nested too deep
+    except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise StateFileError(f"ExGRPO state file is truncated or corrupted: {path} ({e})") from e
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise StateFileError(f"{path} is not an ExGRPO state file (format {meta.get('format')!r})")
-    if meta.get("format_version") != FORMAT_VERSION:
+    if not isinstance(meta, dict):
         raise StateFileError(
-            f"{path} was written in ExGRPO state format version {meta.get('format_version')}, this version of "
+            f"ExGRPO state file is malformed (it holds {_describe(meta)}, expected an object): {path}"
+        )
+    if meta.get("format") != FORMAT_NAME:
+        raise StateFileError(f"{path} is not an ExGRPO state file (format {meta.get('format')!r})")
+    _field(path, meta, "format_version", "", "an integer")
+    if meta["format_version"] != FORMAT_VERSION:  # before the shape checks: another version may have another shape
+        raise StateFileError(
+            f"{path} was written in ExGRPO state format version {meta['format_version']}, this version of "
             f"exgrpo-trl reads version {FORMAT_VERSION}"
         )
-    for section in ("buffer", "trainer", "arrays"):
-        if section not in meta:
-            raise StateFileError(f"ExGRPO state file is incomplete (no '{section}'): {path}")
+    _check_shape(path, meta)
     return meta
+
+
+# ------------------------------------------------------------------------------------------------ state.json shape
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a number, though Python's is
+
+
+_KINDS = {  # how a field's expected kind is named in messages -> the test
+    "an object": lambda v: isinstance(v, dict),
+    "an array": lambda v: isinstance(v, list),
+    "a string": lambda v: isinstance(v, str),
+    "a boolean": lambda v: isinstance(v, bool),
+    "an integer": _is_int,
+    "a non-negative integer": lambda v: _is_int(v) and v >= 0,
+    "a number": lambda v: _is_int(v) or isinstance(v, float),
+    "an integer or null": lambda v: v is None or _is_int(v),
+}
+
+
+def _describe(value) -> str:
+    """A JSON value as a message names it: containers and strings by kind, other values as written."""
+    for kind in ("an object", "an array", "a string"):
+        if _KINDS[kind](value):
+            return kind
+    return json.dumps(value)
+
+
+def _expect(path: Path, name: str, value, kind: str):
+    if not _KINDS[kind](value):
+        raise StateFileError(
+            f"ExGRPO state file is malformed ('{name}' is {_describe(value)}, expected {kind}): {path}"
+        )
+    return value
+
+
+def _field(path: Path, parent: dict, key: str, where: str, kind: str, *, optional: bool = False):
+    """`parent[key]`, checked to be of `kind`; `where` names `parent` in messages."""
+    name = f"{where}.{key}" if where else key
+    if key not in parent:
+        if optional:
+            return None
+        raise StateFileError(f"ExGRPO state file is incomplete (no '{name}'): {path}")
+    return _expect(path, name, parent[key], kind)
+
+
+def _check_shape(path: Path, meta: dict[str, Any]) -> None:
+    """Every field of state.json that load_state, buffer.restore, the trainer and `exgrpo inspect` read, by type;
+    whether the values fit together (sizes, buckets) is checked where they are used."""
+    for section in ("buffer", "trainer", "arrays"):
+        _field(path, meta, section, "", "an object")
+
+    arrays = meta["arrays"]
+    for name in ("completion_ids", "logps", "lengths", "steps"):
+        _field(path, arrays, name, "arrays", "an object")
+    for name, entry in arrays.items():  # every listed array is checked against the file, so every one is read
+        _expect(path, f"arrays.{name}", entry, "an object")
+        _field(path, entry, "dtype", f"arrays.{name}", "a string")
+        _field(path, entry, "size", f"arrays.{name}", "a non-negative integer")
+        _field(path, entry, "crc32", f"arrays.{name}", "a non-negative integer")
+
+    buffer = meta["buffer"]
+    config = _field(path, buffer, "config", "buffer", "an object")
+    for key, kind in (("num_generations", "an integer"), ("mu", "a number"), ("sigma", "a number"),
+                      ("question_selection", "a string"), ("seed", "an integer or null")):
+        _field(path, config, key, "buffer.config", kind)
+    _field(path, buffer, "rng_state", "buffer", "an object")  # its content is numpy's to judge
+    for i, question in enumerate(_field(path, buffer, "questions", "buffer", "an array")):
+        where = f"buffer.questions[{i}]"
+        _expect(path, where, question, "an object")
+        for key, kind in (("key", "a string"), ("k", "an integer"), ("num_trajectories", "a non-negative integer"),
+                          ("row", "an object")):
+            _field(path, question, key, where, kind)
+        _field(path, question, "bucket_position", where, "an integer", optional=True)  # older states lack it
+    for i, key in enumerate(_field(path, buffer, "retired", "buffer", "an array")):
+        _expect(path, f"buffer.retired[{i}]", key, "a string")
+
+    # the trainer's switches: optional (a state may be saved with none), typed when present
+    trainer = meta["trainer"]
+    _field(path, trainer, "replay_active", "trainer", "a boolean", optional=True)
+    _field(path, trainer, "generation_batches", "trainer", "a non-negative integer", optional=True)
+    for i, keys in enumerate(_field(path, trainer, "sampler_passes", "trainer", "an array", optional=True) or []):
+        for j, key in enumerate(_expect(path, f"trainer.sampler_passes[{i}]", keys, "an array")):
+            _expect(path, f"trainer.sampler_passes[{i}][{j}]", key, "a string")
 
 
 def read_arrays(directory: str | os.PathLike, meta: dict[str, Any]) -> dict[str, np.ndarray]:

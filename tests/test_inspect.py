@@ -10,7 +10,7 @@ import pytest
 
 from exgrpo_trl import cli
 from exgrpo_trl.buffer import ExperienceBuffer, Trajectory
-from exgrpo_trl.cli.inspect import main, summarize
+from exgrpo_trl.cli.inspect import main, plot, summarize
 from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, save_state
 
 from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
@@ -92,6 +92,25 @@ def test_plot(checkpoint, tmp_path, capsys):
     assert f"plot          {png}" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("lengths", [[], [3, 4]], ids=["empty", "lengths-3-and-4"])
+def test_plot_axes_count_from_zero_in_whole_numbers(tmp_path, lengths):
+    """Counts start at 0 (an empty buffer's y-axes ran -0.055..0.055) and every tick of a count or a length is a
+    whole number (lengths 3 and 4 had ticks 2.25, 2.5, ...; the empty plot 0.2, 0.4, ...)."""
+    pytest.importorskip("matplotlib")
+    buffer = ExperienceBuffer(8)
+    for i, n in enumerate(lengths):
+        buffer.update_group(f"q{i}", 3, {"prompt": f"{i}+1="}, [_traj(n, i)])
+    buffer.retire("q")
+    save_state(tmp_path, buffer, {"replay_active": True, "generation_batches": 1})
+    ax_buckets, ax_lengths = plot(summarize(tmp_path), tmp_path / "buffer.png").axes
+    for ax in (ax_buckets, ax_lengths):
+        assert ax.get_ylim()[0] == 0
+        assert all(float(y).is_integer() for y in ax.get_yticks())
+    assert all(float(x).is_integer() for x in ax_lengths.get_xticks())
+    if not lengths:
+        assert ax_buckets.get_ylim() == (0, 1) and ax_lengths.get_ylim() == (0, 1)
+
+
 def test_reads_only_lengths_and_steps(checkpoint, monkeypatch):
     """Without --verify the token arrays are never read: break every way of reading them and it still works."""
     import safetensors
@@ -158,6 +177,57 @@ def test_bad_state_exits_1_with_the_message(checkpoint, capsys, damage, message)
     assert captured.out == ""
     assert captured.err.startswith("exgrpo inspect: ")
     assert re.search(message, captured.err), captured.err
+
+
+def _set(*keys, value):
+    """An edit of state.json's JSON setting the field at `keys` (object keys and array indices) to `value`."""
+    def edit(meta):
+        parent = meta
+        for key in keys[:-1]:
+            parent = parent[key]
+        parent[keys[-1]] = value
+        return meta
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit, what",
+    [
+        (lambda meta: [1, 2, 3], "malformed (it holds an array, expected an object)"),
+        (lambda meta: {"format": meta["format"]}, "incomplete (no 'format_version')"),
+        (_set("arrays", "lengths", value={"dtype": "int64", "size": 6}), "incomplete (no 'arrays.lengths.crc32')"),
+        (_set("buffer", "questions", 0, value="q0"),
+         "malformed ('buffer.questions[0]' is a string, expected an object)"),
+        (_set("buffer", "config", "num_generations", value="8"),
+         "malformed ('buffer.config.num_generations' is a string, expected an integer)"),
+        (_set("trainer", value=[]), "malformed ('trainer' is an array, expected an object)"),
+        (_set("trainer", "replay_active", value=[True]),
+         "malformed ('trainer.replay_active' is an array, expected a boolean)"),
+    ],
+    ids=["list", "only-format", "no-crc", "question-string", "k-string", "trainer-list", "switch-list"],
+)
+def test_wrong_shape_state_json_exits_1_naming_the_file(checkpoint, capsys, edit, what):
+    """Valid JSON of the wrong shape: one line naming the file and the field (an AttributeError, KeyError or
+    TypeError traceback before)."""
+    path = checkpoint / STATE_DIRNAME / META_FILENAME
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    assert cli.main(["inspect", str(checkpoint)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"exgrpo inspect: ExGRPO state file is {what}: {path}\n"
+
+
+@pytest.mark.parametrize("args", [[], ["--json"]], ids=["text", "json"])
+def test_closed_pipe_exits_quietly(checkpoint, args):
+    """`exgrpo inspect CKPT | head`, the reader gone before the summary is written: no traceback, no "Exception
+    ignored ... BrokenPipeError" on stderr; status 1, as Python's own recipe for a closed stdout."""
+    command = [sys.executable, "-m", "exgrpo_trl.cli", "inspect", str(checkpoint), *args]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # at once: the command needs far longer to start than this takes, so it writes to no reader
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=120) == 1
+    assert err == ""
 
 
 def test_corrupted_arrays(checkpoint, capsys):

@@ -120,6 +120,69 @@ def _edit_meta(directory, **changes):
     (directory / META_FILENAME).write_text(json.dumps(meta))
 
 
+def _set(*keys, value):
+    """An edit of state.json's JSON setting the field at `keys` (object keys and array indices) to `value`."""
+    def edit(meta):
+        parent = meta
+        for key in keys[:-1]:
+            parent = parent[key]
+        parent[keys[-1]] = value
+        return meta
+    return edit
+
+
+def _drop(*keys):
+    def edit(meta):
+        parent = meta
+        for key in keys[:-1]:
+            parent = parent[key]
+        del parent[keys[-1]]
+        return meta
+    return edit
+
+
+# state.json holding valid JSON of the wrong shape: each edit of the saved JSON, and what the message says of it
+WRONG_SHAPES = {
+    "list": (lambda meta: [1, 2, 3], "malformed (it holds an array, expected an object)"),
+    "only-format": (lambda meta: {"format": meta["format"]}, "incomplete (no 'format_version')"),
+    "no-crc": (_drop("arrays", "lengths", "crc32"), "incomplete (no 'arrays.lengths.crc32')"),
+    "arrays-number": (_set("arrays", value=5), "malformed ('arrays' is 5, expected an object)"),
+    "no-num-generations": (_drop("buffer", "config", "num_generations"),
+                           "incomplete (no 'buffer.config.num_generations')"),
+    "retired-number": (_set("buffer", "retired", value=5), "malformed ('buffer.retired' is 5, expected an array)"),
+    "count-string": (_set("buffer", "questions", 0, "num_trajectories", value="2"),
+                     "malformed ('buffer.questions[0].num_trajectories' is a string, "
+                     "expected a non-negative integer)"),
+    "negative-size": (_set("arrays", "logps", "size", value=-1),
+                      "malformed ('arrays.logps.size' is -1, expected a non-negative integer)"),
+    "trainer-list": (_set("trainer", value=[]), "malformed ('trainer' is an array, expected an object)"),
+    "switch-number": (_set("trainer", "replay_active", value=1),
+                      "malformed ('trainer.replay_active' is 1, expected a boolean)"),
+    "pass-of-numbers": (_set("trainer", "sampler_passes", value=[[3]]),
+                        "malformed ('trainer.sampler_passes[0][0]' is 3, expected a string)"),
+}
+
+
+def edit_meta_json(path, edit):
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+
+
+@pytest.mark.parametrize("case", list(WRONG_SHAPES))
+def test_wrong_shape_state_json_raises_naming_the_file(tmp_path, case):
+    """Valid JSON of the wrong shape is a StateFileError naming the file and the field, on one line, whether the
+    trajectories are loaded or not (a KeyError or TypeError before)."""
+    edit, what = WRONG_SHAPES[case]
+    save_state(tmp_path, sample_buffer(), {"replay_active": True, "generation_batches": 7, "sampler_passes": [["a"]]})
+    path = tmp_path / STATE_DIRNAME / META_FILENAME
+    edit_meta_json(path, edit)
+    for with_trajectories in (True, False):
+        buffer = ExperienceBuffer(8)
+        with pytest.raises(StateFileError) as info:
+            load_state(tmp_path, buffer, with_trajectories=with_trajectories)
+        assert str(info.value) == f"ExGRPO state file is {what}: {path}"
+        assert buffer.num_questions == 0 and not buffer.retired
+
+
 def test_unserialisable_row_is_a_clear_error(tmp_path):
     buffer = ExperienceBuffer(8)
     buffer.update_group("q", 2, {"prompt": "x", "when": object()}, [Trajectory(np.arange(3), np.zeros(3), 0)])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -68,13 +69,10 @@ def summarize(checkpoint: str | Path, *, verify: bool = False) -> dict[str, Any]
     small, arrays = read_small_arrays(checkpoint, meta, SMALL_ARRAYS), meta["arrays"]
     lengths, steps = small["lengths"].astype(np.int64), small["steps"].astype(np.int64)
 
-    buffer = meta["buffer"]
-    try:
-        k_gen = int(buffer["config"]["num_generations"])
-        questions = [(int(q["k"]), int(q["num_trajectories"])) for q in buffer["questions"]]
-        retired = len(buffer["retired"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise StateFileError(f"ExGRPO state file is incomplete ({e!r}): {state_dir / META_FILENAME}") from e
+    buffer = meta["buffer"]  # read_meta checked the type of every field used here
+    k_gen = buffer["config"]["num_generations"]
+    questions = [(q["k"], q["num_trajectories"]) for q in buffer["questions"]]
+    retired = len(buffer["retired"])
     num_trajectories = sum(n for _, n in questions)
     num_tokens, num_ids = int(lengths.sum()), arrays["completion_ids"]["size"]
     if num_trajectories != lengths.size or steps.size != lengths.size or num_tokens != num_ids:
@@ -161,8 +159,9 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(s: dict[str, Any], path: str | Path) -> None:
-    """Bucket histogram (questions per success count) and the distribution of stored trajectory lengths."""
+def plot(s: dict[str, Any], path: str | Path):
+    """Bucket histogram (questions per success count) and the distribution of stored trajectory lengths, saved to
+    `path`. Returns the (closed) matplotlib figure."""
     try:
         import matplotlib
 
@@ -180,7 +179,6 @@ def plot(s: dict[str, Any], path: str | Path) -> None:
     ax_b.set_xticks(ks, [f"{k}/{s['num_generations']}" for k in ks])
     ax_b.set_xlabel("bucket (latest successes out of K)")
     ax_b.set_ylabel("questions")
-    ax_b.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax_b.set_title(f"{s['questions']:,} questions, {s['retired']:,} retired")
 
     lengths = s["_lengths"]
@@ -195,12 +193,18 @@ def plot(s: dict[str, Any], path: str | Path) -> None:
         ax_l.text(0.5, 0.5, "no stored trajectories", ha="center", va="center", transform=ax_l.transAxes)
     ax_l.set_xlabel("completion length (tokens)")
     ax_l.set_ylabel("trajectories")
-    ax_l.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax_l.set_title(f"{s['trajectories']:,} trajectories, {s['tokens']:,} tokens")
+    for ax in (ax_b, ax_l):
+        # counts start at 0; with nothing to count matplotlib centres the y-axis on 0 (about -0.05..0.05), where
+        # MaxNLocator finds no integers and falls back to fractions: 0..1 then
+        ax.set_ylim(0, max(ax.get_ylim()[1], 1))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_l.xaxis.set_major_locator(MaxNLocator(integer=True))  # lengths are whole tokens
     fig.suptitle(s["path"], fontsize=9)
     fig.tight_layout()
     fig.savefig(str(path), dpi=100)
-    plt.close(fig)
+    plt.close(fig)  # out of pyplot's list of open figures; the object stays readable
+    return fig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,12 +229,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"exgrpo inspect: {e}", file=sys.stderr)
         return 1
     printable = {k: v for k, v in summary.items() if not k.startswith("_")}
-    if args.json:
-        print(json.dumps(printable, indent=2))
-    else:
-        print(format_summary(printable))
-        if args.plot:
-            print(f"plot          {args.plot}")
+    try:
+        if args.json:
+            print(json.dumps(printable, indent=2))
+        else:
+            print(format_summary(printable))
+            if args.plot:
+                print(f"plot          {args.plot}")
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
+    except BrokenPipeError:
+        # The reader left (`exgrpo inspect ... | head`): stop quietly, as Unix tools do. What is still buffered would
+        # fail again at exit, so stdout goes to devnull (the recipe of Python's `signal` documentation).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     return 0
 
 
