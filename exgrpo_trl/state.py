@@ -402,15 +402,24 @@ def _check_shape(path: Path, meta: dict[str, Any]) -> None:
 
     buffer = meta["buffer"]
     config = _field(path, buffer, "config", "buffer", "an object")
-    for key, kind in (("num_generations", "an integer"), ("mu", "a number"), ("sigma", "a number"),
-                      ("question_selection", "a string"), ("seed", "an integer or null")):
+    for key, kind in (
+        ("num_generations", "an integer"),
+        ("mu", "a number"),
+        ("sigma", "a number"),
+        ("question_selection", "a string"),
+        ("seed", "an integer or null"),
+    ):
         _field(path, config, key, "buffer.config", kind)
     _field(path, buffer, "rng_state", "buffer", "an object")  # its content is numpy's to judge
     for i, question in enumerate(_field(path, buffer, "questions", "buffer", "an array")):
         where = f"buffer.questions[{i}]"
         _expect(path, where, question, "an object")
-        for key, kind in (("key", "a string"), ("k", "an integer"), ("num_trajectories", "a non-negative integer"),
-                          ("row", "an object")):
+        for key, kind in (
+            ("key", "a string"),
+            ("k", "an integer"),
+            ("num_trajectories", "a non-negative integer"),
+            ("row", "an object"),
+        ):
             _field(path, question, key, where, kind)
         _field(path, question, "bucket_position", where, "an integer", optional=True)  # older states lack it
     for i, key in enumerate(_field(path, buffer, "retired", "buffer", "an array")):

@@ -37,7 +37,13 @@ def checkpoint(tmp_path):
 
 
 EXPECTED_BUCKETS = {
-    1: (0, 0, 0), 2: (1, 2, 8), 3: (0, 0, 0), 4: (2, 4, 19), 5: (0, 0, 0), 6: (0, 0, 0), 7: (0, 0, 0),
+    1: (0, 0, 0),
+    2: (1, 2, 8),
+    3: (0, 0, 0),
+    4: (2, 4, 19),
+    5: (0, 0, 0),
+    6: (0, 0, 0),
+    7: (0, 0, 0),
 }
 
 
@@ -65,11 +71,18 @@ def test_text_output(checkpoint, capsys):
     assert main([str(checkpoint)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("ExGRPO state  ") and out[0].endswith(f"{STATE_DIRNAME}  (format version 1)")
-    assert out[1:5] == ["questions     3", "trajectories  6", "retired       2",
-                        "stored tokens 27  (per trajectory: mean 4.5, min 2, max 7)"]
+    assert out[1:5] == [
+        "questions     3",
+        "trajectories  6",
+        "retired       2",
+        "stored tokens 27  (per trajectory: mean 4.5, min 2, max 7)",
+    ]
     assert out[5].startswith("bytes         162 of token ids + log-probs (6.00 per token), 96 of lengths + steps; ")
-    assert out[6:9] == ["collected at  steps 1 to 6", "replay        on; 5 generation batches so far",
-                        "buckets       k successes out of K=8:"]
+    assert out[6:9] == [
+        "collected at  steps 1 to 6",
+        "replay        on; 5 generation batches so far",
+        "buckets       k successes out of K=8:",
+    ]
     rows = [line.split() for line in out[10:17]]
     assert [[int(x) for x in row] for row in rows] == [[k, *EXPECTED_BUCKETS[k]] for k in range(1, 8)]
 
@@ -122,9 +135,14 @@ def test_reads_only_lengths_and_steps(checkpoint, monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("the whole buffer was read")
 
-    for module, name in [(safetensors.numpy, "load_file"), (safetensors, "safe_open"), (state_module, "read_arrays"),
-                         (state_module, "read_trajectories"), (state_module, "load_state"),
-                         (inspect_module, "verify_arrays")]:
+    for module, name in [
+        (safetensors.numpy, "load_file"),
+        (safetensors, "safe_open"),
+        (state_module, "read_arrays"),
+        (state_module, "read_trajectories"),
+        (state_module, "load_state"),
+        (inspect_module, "verify_arrays"),
+    ]:
         monkeypatch.setattr(module, name, boom)
     # every array state.py reads goes through _read_into: count the bytes it is asked for
     real_read_into, requested = state_module._read_into, []
@@ -145,8 +163,9 @@ def test_imports_neither_torch_nor_trl(checkpoint):
         "import sys; from exgrpo_trl.cli import main; rc = main(['inspect', sys.argv[1]]); "
         "assert rc == 0; bad = {'torch', 'trl', 'transformers'} & set(sys.modules); assert not bad, bad"
     )
-    result = subprocess.run([sys.executable, "-c", code, str(checkpoint)], capture_output=True, text=True, timeout=120,
-                            check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(checkpoint)], capture_output=True, text=True, timeout=120, check=False
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -161,10 +180,14 @@ def _edit_meta(state_dir, **changes):
     [
         (lambda d: (d / META_FILENAME).unlink(), r"state file is missing: .*state\.json"),
         (lambda d: (d / ARRAYS_FILENAME).unlink(), r"buffer file is missing: .*buffer\.safetensors"),
-        (lambda d: (d / META_FILENAME).write_text((d / META_FILENAME).read_text()[:-5]),
-         r"truncated or corrupted: .*state\.json"),
-        (lambda d: (d / ARRAYS_FILENAME).write_bytes((d / ARRAYS_FILENAME).read_bytes()[:-10]),
-         r"truncated or corrupted: .*buffer\.safetensors"),
+        (
+            lambda d: (d / META_FILENAME).write_text((d / META_FILENAME).read_text()[:-5]),
+            r"truncated or corrupted: .*state\.json",
+        ),
+        (
+            lambda d: (d / ARRAYS_FILENAME).write_bytes((d / ARRAYS_FILENAME).read_bytes()[:-10]),
+            r"truncated or corrupted: .*buffer\.safetensors",
+        ),
         (lambda d: _edit_meta(d, format_version=99), "format version 99.*reads version 1"),
         (lambda d: _edit_meta(d, format="something-else"), "is not an ExGRPO state file"),
     ],
@@ -181,12 +204,14 @@ def test_bad_state_exits_1_with_the_message(checkpoint, capsys, damage, message)
 
 def _set(*keys, value):
     """An edit of state.json's JSON setting the field at `keys` (object keys and array indices) to `value`."""
+
     def edit(meta):
         parent = meta
         for key in keys[:-1]:
             parent = parent[key]
         parent[keys[-1]] = value
         return meta
+
     return edit
 
 
@@ -196,13 +221,19 @@ def _set(*keys, value):
         (lambda meta: [1, 2, 3], "malformed (it holds an array, expected an object)"),
         (lambda meta: {"format": meta["format"]}, "incomplete (no 'format_version')"),
         (_set("arrays", "lengths", value={"dtype": "int64", "size": 6}), "incomplete (no 'arrays.lengths.crc32')"),
-        (_set("buffer", "questions", 0, value="q0"),
-         "malformed ('buffer.questions[0]' is a string, expected an object)"),
-        (_set("buffer", "config", "num_generations", value="8"),
-         "malformed ('buffer.config.num_generations' is a string, expected an integer)"),
+        (
+            _set("buffer", "questions", 0, value="q0"),
+            "malformed ('buffer.questions[0]' is a string, expected an object)",
+        ),
+        (
+            _set("buffer", "config", "num_generations", value="8"),
+            "malformed ('buffer.config.num_generations' is a string, expected an integer)",
+        ),
         (_set("trainer", value=[]), "malformed ('trainer' is an array, expected an object)"),
-        (_set("trainer", "replay_active", value=[True]),
-         "malformed ('trainer.replay_active' is an array, expected a boolean)"),
+        (
+            _set("trainer", "replay_active", value=[True]),
+            "malformed ('trainer.replay_active' is an array, expected a boolean)",
+        ),
     ],
     ids=["list", "only-format", "no-crc", "question-string", "k-string", "trainer-list", "switch-list"],
 )
@@ -270,15 +301,23 @@ def test_checkpoint_of_a_real_run_matches_the_trainer(tmp_path, tokenizer):
     from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 
     kwargs = config_kwargs(tmp_path, max_steps=3, save_strategy="steps", save_steps=3, replay_start_pass_rate=0.0)
-    trainer = ExGRPOTrainer(model=make_model(tokenizer), reward_funcs=make_reward(tokenizer),
-                            args=ExGRPOConfig(**kwargs), train_dataset=synthetic_dataset(n=16, always_every=4),
-                            processing_class=tokenizer)
+    trainer = ExGRPOTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=make_reward(tokenizer),
+        args=ExGRPOConfig(**kwargs),
+        train_dataset=synthetic_dataset(n=16, always_every=4),
+        processing_class=tokenizer,
+    )
     trainer.train()
     buffer = trainer.experience_buffer
     s = summarize(tmp_path / "out" / "checkpoint-3", verify=True)
     assert buffer.num_trajectories > 0
     assert (s["questions"], s["trajectories"], s["tokens"], s["retired"]) == (
-        buffer.num_questions, buffer.num_trajectories, buffer.num_tokens, len(buffer.retired))
+        buffer.num_questions,
+        buffer.num_trajectories,
+        buffer.num_tokens,
+        len(buffer.retired),
+    )
     assert {k: b["questions"] for k, b in s["buckets"].items()} == buffer.bucket_counts()
     assert s["trainer"] == {"replay_active": True, "generation_batches": 3}
     assert s["bytes"]["token_data"] == 6 * buffer.num_tokens
@@ -291,8 +330,10 @@ def _buffer_with(num_questions=6, seed=1):
     rng = np.random.default_rng(seed)
     buffer = ExperienceBuffer(8, seed=seed)
     for q in range(num_questions):
-        trajectories = [Trajectory(rng.integers(0, 50, size=int(n)), -rng.random(int(n)), step=q)
-                        for n in rng.integers(1, 12, size=int(rng.integers(1, 4)))]
+        trajectories = [
+            Trajectory(rng.integers(0, 50, size=int(n)), -rng.random(int(n)), step=q)
+            for n in rng.integers(1, 12, size=int(rng.integers(1, 4)))
+        ]
         buffer.update_group(f"q{q}", int(rng.integers(1, 8)), {"prompt": f"{q}+1="}, trajectories)
     return buffer
 

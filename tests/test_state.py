@@ -23,7 +23,9 @@ def sample_buffer(seed=0):
         for _ in range(int(rng.integers(1, 4))):
             n = int(rng.integers(1, 9))
             trajs.append(Trajectory(rng.integers(0, 50, size=n), -rng.random(n), step=q))
-        buffer.update_group(f"q{q}", int(rng.integers(1, 8)), {"prompt": f"{q}+1=", "answer": str(q + 1), "n": q}, trajs)
+        buffer.update_group(
+            f"q{q}", int(rng.integers(1, 8)), {"prompt": f"{q}+1=", "answer": str(q + 1), "n": q}, trajs
+        )
     buffer.retire("q3")
     buffer.retire("never-stored")
     buffer.sample_questions(4)  # advance the generator: its state must survive too
@@ -89,10 +91,14 @@ def test_no_pickle(tmp_path):
     [
         (lambda d: (d / ARRAYS_FILENAME).unlink(), "buffer file is missing: .*buffer.safetensors"),
         (lambda d: (d / META_FILENAME).unlink(), "state file is missing: .*state.json"),
-        (lambda d: (d / ARRAYS_FILENAME).write_bytes((d / ARRAYS_FILENAME).read_bytes()[:-10]),
-         "truncated or corrupted: .*buffer.safetensors"),
-        (lambda d: (d / META_FILENAME).write_text((d / META_FILENAME).read_text()[:-5]),
-         "truncated or corrupted: .*state.json"),
+        (
+            lambda d: (d / ARRAYS_FILENAME).write_bytes((d / ARRAYS_FILENAME).read_bytes()[:-10]),
+            "truncated or corrupted: .*buffer.safetensors",
+        ),
+        (
+            lambda d: (d / META_FILENAME).write_text((d / META_FILENAME).read_text()[:-5]),
+            "truncated or corrupted: .*state.json",
+        ),
         (lambda d: _flip_last_byte(d / ARRAYS_FILENAME), "corrupted \\(checksum of '.*'.*buffer.safetensors"),
         (lambda d: _edit_meta(d, format_version=99), "format version 99.*reads version 1"),
         (lambda d: _edit_meta(d, format="something-else"), "is not an ExGRPO state file"),
@@ -122,12 +128,14 @@ def _edit_meta(directory, **changes):
 
 def _set(*keys, value):
     """An edit of state.json's JSON setting the field at `keys` (object keys and array indices) to `value`."""
+
     def edit(meta):
         parent = meta
         for key in keys[:-1]:
             parent = parent[key]
         parent[keys[-1]] = value
         return meta
+
     return edit
 
 
@@ -138,6 +146,7 @@ def _drop(*keys):
             parent = parent[key]
         del parent[keys[-1]]
         return meta
+
     return edit
 
 
@@ -147,19 +156,28 @@ WRONG_SHAPES = {
     "only-format": (lambda meta: {"format": meta["format"]}, "incomplete (no 'format_version')"),
     "no-crc": (_drop("arrays", "lengths", "crc32"), "incomplete (no 'arrays.lengths.crc32')"),
     "arrays-number": (_set("arrays", value=5), "malformed ('arrays' is 5, expected an object)"),
-    "no-num-generations": (_drop("buffer", "config", "num_generations"),
-                           "incomplete (no 'buffer.config.num_generations')"),
+    "no-num-generations": (
+        _drop("buffer", "config", "num_generations"),
+        "incomplete (no 'buffer.config.num_generations')",
+    ),
     "retired-number": (_set("buffer", "retired", value=5), "malformed ('buffer.retired' is 5, expected an array)"),
-    "count-string": (_set("buffer", "questions", 0, "num_trajectories", value="2"),
-                     "malformed ('buffer.questions[0].num_trajectories' is a string, "
-                     "expected a non-negative integer)"),
-    "negative-size": (_set("arrays", "logps", "size", value=-1),
-                      "malformed ('arrays.logps.size' is -1, expected a non-negative integer)"),
+    "count-string": (
+        _set("buffer", "questions", 0, "num_trajectories", value="2"),
+        "malformed ('buffer.questions[0].num_trajectories' is a string, expected a non-negative integer)",
+    ),
+    "negative-size": (
+        _set("arrays", "logps", "size", value=-1),
+        "malformed ('arrays.logps.size' is -1, expected a non-negative integer)",
+    ),
     "trainer-list": (_set("trainer", value=[]), "malformed ('trainer' is an array, expected an object)"),
-    "switch-number": (_set("trainer", "replay_active", value=1),
-                      "malformed ('trainer.replay_active' is 1, expected a boolean)"),
-    "pass-of-numbers": (_set("trainer", "sampler_passes", value=[[3]]),
-                        "malformed ('trainer.sampler_passes[0][0]' is 3, expected a string)"),
+    "switch-number": (
+        _set("trainer", "replay_active", value=1),
+        "malformed ('trainer.replay_active' is 1, expected a boolean)",
+    ),
+    "pass-of-numbers": (
+        _set("trainer", "sampler_passes", value=[[3]]),
+        "malformed ('trainer.sampler_passes[0][0]' is 3, expected a string)",
+    ),
 }
 
 
@@ -193,9 +211,13 @@ def test_unserialisable_row_is_a_clear_error(tmp_path):
 
 def _trainer(out, tokenizer, max_steps, **overrides):
     kwargs = config_kwargs(out, max_steps=max_steps, save_strategy="steps", replay_start_pass_rate=0.0, **overrides)
-    return ExGRPOTrainer(model=make_model(tokenizer), reward_funcs=make_reward(tokenizer),
-                         args=ExGRPOConfig(**kwargs), train_dataset=synthetic_dataset(n=16, always_every=4),
-                         processing_class=tokenizer)
+    return ExGRPOTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=make_reward(tokenizer),
+        args=ExGRPOConfig(**kwargs),
+        train_dataset=synthetic_dataset(n=16, always_every=4),
+        processing_class=tokenizer,
+    )
 
 
 def test_resume_is_bitwise(tmp_path, tokenizer):
@@ -227,11 +249,20 @@ def test_resume_from_plain_grpo_checkpoint_warns_once(tmp_path, tokenizer, caplo
     from trl import GRPOConfig, GRPOTrainer
 
     kwargs = config_kwargs(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
-    GRPOTrainer(model=make_model(tokenizer), reward_funcs=make_reward(tokenizer), args=GRPOConfig(**kwargs),
-                train_dataset=synthetic_dataset(), processing_class=tokenizer).train()
-    trainer = ExGRPOTrainer(model=make_model(tokenizer), reward_funcs=make_reward(tokenizer),
-                            args=ExGRPOConfig(**{**kwargs, "max_steps": 3}), train_dataset=synthetic_dataset(),
-                            processing_class=tokenizer)
+    GRPOTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=make_reward(tokenizer),
+        args=GRPOConfig(**kwargs),
+        train_dataset=synthetic_dataset(),
+        processing_class=tokenizer,
+    ).train()
+    trainer = ExGRPOTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=make_reward(tokenizer),
+        args=ExGRPOConfig(**{**kwargs, "max_steps": 3}),
+        train_dataset=synthetic_dataset(),
+        processing_class=tokenizer,
+    )
     with caplog.at_level(logging.WARNING):
         trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     warnings = [r for r in caplog.records if "holds no ExGRPO state" in r.getMessage()]

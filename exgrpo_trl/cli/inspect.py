@@ -82,8 +82,9 @@ def summarize(checkpoint: str | Path, *, verify: bool = False) -> dict[str, Any]
             f"{num_ids} ids"
         )
 
-    owner_k = np.repeat(np.array([k for k, _ in questions], dtype=np.int64),
-                        np.array([n for _, n in questions], dtype=np.int64))  # bucket of each trajectory
+    owner_k = np.repeat(
+        np.array([k for k, _ in questions], dtype=np.int64), np.array([n for _, n in questions], dtype=np.int64)
+    )  # bucket of each trajectory
     buckets = {}
     for k in range(1, k_gen):
         in_bucket = owner_k == k
@@ -137,8 +138,11 @@ def format_summary(s: dict[str, Any]) -> str:
         f"trajectories  {s['trajectories']:,}",
         f"retired       {s['retired']:,}",
         f"stored tokens {s['tokens']:,}"
-        + (f"  (per trajectory: mean {s['length']['mean']:.1f}, min {s['length']['min']}, max {s['length']['max']})"
-           if s["trajectories"] else ""),
+        + (
+            f"  (per trajectory: mean {s['length']['mean']:.1f}, min {s['length']['min']}, max {s['length']['max']})"
+            if s["trajectories"]
+            else ""
+        ),
         (
             f"bytes         {b['token_data']:,} of token ids + log-probs ({b['per_token']:.2f} per token), "
             f"{b['per_trajectory_arrays']:,} of lengths + steps; on disk {b['files'][ARRAYS_FILENAME]:,} "
