@@ -166,3 +166,44 @@ def test_every_benchmark_script_has_a_smoke_run():
     text = pathlib.Path(__file__).read_text()
     scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
     assert scripts and all(f'"{name}"' in text for name in scripts), scripts
+
+
+def test_study_script_reports_saved_runs(tmp_path):
+    # "study.py" as a script, report-only over two saved runs (the training path runs in tests/test_study.py)
+    import subprocess
+    import sys
+
+    for arm, final in (("grpo", 0.5), ("exgrpo", 0.625)):
+        path = tmp_path / "addition" / arm / "seed0.json"
+        path.parent.mkdir(parents=True)
+        curve = {
+            "step": [0, 1],
+            "rollouts": [0, 128],
+            "pass_at_1": [0.25, final],
+            "by_difficulty": {"1": [0.25, final]},
+        }
+        final_figures = {"pass_at_1": final, "rollouts": 128, "by_difficulty": {"1": final}}
+        path.write_text(
+            json.dumps({"task": "addition", "arm": arm, "seed": 0, "curve": curve, "final": final_figures})
+        )
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "study.py"),
+            "--report-only",
+            "--tasks",
+            "addition",
+            "--arms",
+            "grpo,exgrpo",
+            "--seeds",
+            "0",
+            "--results",
+            str(tmp_path),
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    # GRPO's final 0.5 is the target; ExGRPO's curve reaches 0.625 >= 0.5 at 128 rollouts: 100% of GRPO's 128
+    assert "| exgrpo | 1 | 0.625 [0.625, 0.625] | 0.625 | 128 | 100% | 1/1 |" in out
+    assert (tmp_path / "study.png").is_file()

@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "demo": ("exgrpo_trl.cli.demo", "ExGRPO vs GRPO side by side on a toy task, on a CPU, in minutes"),
     "train": ("exgrpo_trl.cli.train", "train from a YAML recipe (TrlParser; CLI flags override the recipe)"),
     "inspect": ("exgrpo_trl.cli.inspect", "summarise the experience buffer saved in a checkpoint (--plot FILE.png)"),
+    "study": ("exgrpo_trl.cli.study", "GRPO vs ExGRPO and ablations on the toy tasks, over seeds, resumable"),
     "eval": ("exgrpo_trl.cli.evaluate", "the paper's benchmarks (avg@k), results.json + a table beside the paper's"),
 }
 

@@ -1,0 +1,571 @@
+"""`exgrpo study`: what ExGRPO buys over GRPO on the toy tasks, measured over seeds.
+
+    exgrpo study --tasks addition --arms grpo,exgrpo --seeds 0-4     # train what is missing, then report
+    exgrpo study --report-only                                        # the table and figure from the saved runs
+
+A run is one (task, arm, seed): it trains from the task's cached supervised warm start with TRL's `GRPOTrainer` or
+`ExGRPOTrainer` (public API and config switches only), evaluates held-out pass@1 every `eval_every` steps, and saves
+one small JSON (settings, curves, per-step logs, final figures) as ``RESULTS/<task>/<arm>/seed<k>.json``. A run whose
+JSON exists is skipped, so an interrupted study resumes where it stopped, here or on another machine. Runs train
+`--jobs` at a time (default 2), each in its own process with one torch thread. Then ``RESULTS/results.json``,
+``results.md`` and ``study.png`` are written: held-out pass@1 against generated rollouts, median and min-max band
+over seeds, overall and per difficulty.
+
+Generated rollouts count K per fresh group and K - 1 per replayed group (the stored trajectory is not generated;
+`replay_stored_trajectory=False` revisits generate all K). The issue's target: ExGRPO reaches GRPO's final held-out
+pass@1 (median over seeds) with at most 70% of GRPO's generated rollouts.
+
+Per-step logs of each run, for the diagnosis: fresh and replayed questions per step, the difficulty of each replayed
+question, batch pass@1, buffer and retired-set sizes; how often each question was replayed; and, at the end, the
+warm start's and the final model's pass@1 on the most-replayed training questions and on retired questions (rising
+on replayed questions while held-out falls is overfitting; falling on retired ones is forgetting).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+DEFAULT_RESULTS = "benchmarks/results/study"
+DEFAULT_CACHE = ".cache/exgrpo-demo"
+TARGET_ROLLOUT_SHARE = 0.70
+# The toy tasks' model: Qwen2-shaped, ~1.05M parameters, four heads of 32 (with two heads of 64 the supervised
+# warm start stalls on multi-digit sums for longer).
+TOY_MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=512)
+PROBE_QUESTIONS = 100  # questions per end-of-run probe (most replayed, retired)
+
+
+# ------------------------------------------------------------------------------------------------ tasks
+@dataclass(frozen=True)
+class Task:
+    """A toy task with everything a run needs; the RL settings are fixed per task, the same for every arm."""
+
+    name: str
+    description: str
+    load: Callable[..., Any]  # (cache_dir, warm_start_steps, progress) -> (model, tokenizer), cached
+    splits: Callable[..., Any]  # (n_train, n_eval) -> (train Dataset, eval Dataset)
+    reward: Callable[..., list[float]]
+    evaluate: Callable[..., dict]  # (model, tokenizer, dataset, samples, seed) -> overall, by_difficulty, per_q
+    difficulty: str  # dataset column holding the difficulty
+    warm_start_steps: int
+    learning_rate: float
+    steps: int
+    max_completion_length: int
+    prompts_per_step: int = 16
+    num_generations: int = 8
+    train_questions: int = 2000
+    eval_questions: int = 200
+    eval_samples: int = 8
+    eval_every: int = 25
+    exgrpo: dict = field(default_factory=dict)  # ExGRPO settings of the task (e.g. a weak start replays at once)
+
+
+def _addition_load(cache_dir, warm_start_steps, progress):
+    from ..tasks.toy import load_or_train_warm_start
+
+    return load_or_train_warm_start(cache_dir, steps=warm_start_steps, seed=0, progress=progress, **TOY_MODEL)
+
+
+def _addition_splits(n_train, n_eval):
+    from ..tasks.toy import addition_splits
+
+    return addition_splits(n_train, n_eval, seed=0)
+
+
+def _addition_reward(completions, answer, **kwargs):
+    from ..tasks.toy import addition_reward
+
+    return addition_reward(completions, answer, **kwargs)
+
+
+def _addition_evaluate(model, tokenizer, dataset, samples, seed):
+    from ..tasks.toy import evaluate_pass_at_1
+
+    result = evaluate_pass_at_1(model, tokenizer, dataset, samples=samples, seed=seed, progress=False)
+    return {"overall": result["overall"], "by_difficulty": result["by_digits"], "per_question": result["per_question"]}
+
+
+TASKS: dict[str, Task] = {
+    "addition": Task(
+        name="addition",
+        description="1-4 digit addition, one correct answer string per question (the demo's setting)",
+        load=_addition_load,
+        splits=_addition_splits,
+        reward=_addition_reward,
+        evaluate=_addition_evaluate,
+        difficulty="digits",
+        warm_start_steps=1500,
+        learning_rate=1e-4,
+        steps=300,
+        max_completion_length=8,
+        eval_samples=16,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Arm:
+    description: str
+    exgrpo: dict | None  # ExGRPOConfig fields on top of the paper's defaults; None: TRL's GRPOTrainer
+
+
+_PAPER = {"max_trajectory_candidates": None}  # the paper scores every stored trajectory
+ARMS: dict[str, Arm] = {
+    "grpo": Arm("GRPO (TRL GRPOTrainer)", None),
+    "exgrpo": Arm("ExGRPO, the paper's settings", dict(_PAPER)),
+    "uniform_questions": Arm("ablation: uniform question selection", {**_PAPER, "question_selection": "uniform"}),
+    "random_trajectory": Arm("ablation: random trajectory selection", {**_PAPER, "trajectory_selection": "random"}),
+    "no_shaping": Arm("ablation: no policy shaping (plain ratio)", {**_PAPER, "policy_shaping_gamma": None}),
+    "keep_retired": Arm("ablation: retired questions not skipped", {**_PAPER, "skip_retired_questions": False}),
+    "revisit_no_replay": Arm(
+        "diagnostic: replay's questions, K fresh rollouts, no stored trajectory",
+        {**_PAPER, "replay_stored_trajectory": False},
+    ),
+    "grpo_skip_retired": Arm(
+        "diagnostic: GRPO with retired questions skipped",
+        {"replay_ratio": 0.0, "skip_retired_without_replay": True},
+    ),
+}
+MAIN_ARMS = ("grpo", "exgrpo")
+
+
+# ------------------------------------------------------------------------------------------------ one run
+def _config_kwargs(task: Task, seed: int, output_dir: str) -> dict:
+    return dict(
+        output_dir=output_dir,
+        max_steps=task.steps,
+        per_device_train_batch_size=task.prompts_per_step * task.num_generations,
+        num_generations=task.num_generations,
+        max_completion_length=task.max_completion_length,
+        temperature=1.0,
+        learning_rate=task.learning_rate,
+        lr_scheduler_type="constant",
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        beta=0.0,
+        loss_type="dr_grpo",
+        scale_rewards="none",
+        seed=seed,
+        bf16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+
+
+def _r(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(float(x), digits)
+
+
+def _evaluation(task: Task, model, tokenizer, dataset, seed: int) -> dict:
+    result = task.evaluate(model, tokenizer, dataset, task.eval_samples, seed)
+    return {
+        "overall": _r(result["overall"]),
+        "by_difficulty": {str(k): _r(v) for k, v in sorted(result["by_difficulty"].items())},
+    }
+
+
+def _rows_by_key(dataset) -> dict[str, dict]:
+    from ..buffer import question_key
+
+    return {question_key(row["prompt"]): row for row in dataset}
+
+
+def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str, workdir: str) -> dict:
+    """Train one arm of one task with one seed, and save its JSON (atomically) to `out_path`."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    arm = ARMS[arm_name]
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    model, tokenizer = task.load(cache_dir, task.warm_start_steps, False)
+    warm = copy.deepcopy(model)
+    train_set, eval_set = task.splits(task.train_questions, task.eval_questions)
+    kwargs = _config_kwargs(task, seed, os.path.join(workdir, f"{task.name}-{arm_name}-seed{seed}"))
+    if arm.exgrpo is None:
+        from trl import GRPOConfig, GRPOTrainer
+
+        config, trainer_cls = GRPOConfig(**kwargs), GRPOTrainer
+    else:
+        from ..config import ExGRPOConfig
+        from ..trainer import ExGRPOTrainer
+
+        config, trainer_cls = ExGRPOConfig(**kwargs, **{**task.exgrpo, **arm.exgrpo}), ExGRPOTrainer
+    trainer = trainer_cls(
+        model=model, reward_funcs=[task.reward], args=config, train_dataset=train_set, processing_class=tokenizer
+    )
+    k, groups = task.num_generations, task.prompts_per_step
+    steps_log: dict[str, list] = {
+        "rollouts": [], "fresh_questions": [], "replayed": [], "replayed_difficulty": [],
+        "batch_pass_at_1": [], "buffer_questions": [], "retired": [],
+    }  # fmt: skip
+    curve: dict[str, Any] = {"step": [], "rollouts": [], "pass_at_1": [], "by_difficulty": {}}
+    replay_counts: Counter = Counter()
+
+    def evaluate_now(step: int, rollouts: int) -> None:
+        result = _evaluation(task, trainer.model, tokenizer, eval_set, seed)
+        curve["step"].append(step)
+        curve["rollouts"].append(rollouts)
+        curve["pass_at_1"].append(result["overall"])
+        for d, v in result["by_difficulty"].items():
+            curve["by_difficulty"].setdefault(d, []).append(v)
+
+    class Recorder(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            plan = getattr(trainer, "last_replay_plan", None)
+            replayed = len(plan.keys) if plan is not None else 0
+            generated = groups * k - (replayed if plan is not None and plan.with_trajectories else 0)
+            total = (steps_log["rollouts"][-1] if steps_log["rollouts"] else 0) + generated
+            steps_log["rollouts"].append(total)
+            steps_log["fresh_questions"].append(groups - replayed)
+            steps_log["replayed"].append(replayed)
+            steps_log["replayed_difficulty"].append([row.get(task.difficulty) for row in plan.rows] if plan else [])
+            replay_counts.update(plan.keys if plan is not None else [])
+            last = state.log_history[-1] if state.log_history else {}
+            steps_log["batch_pass_at_1"].append(_r(last.get("reward")))
+            buffer = getattr(trainer, "experience_buffer", None)
+            steps_log["buffer_questions"].append(buffer.num_questions if buffer is not None else None)
+            steps_log["retired"].append(len(buffer.retired) if buffer is not None else None)
+            if state.global_step % task.eval_every == 0 or state.global_step == state.max_steps:
+                evaluate_now(state.global_step, total)
+
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.add_callback(Recorder())
+    evaluate_now(0, 0)
+    trainer.train()
+
+    # End-of-run probes on training questions: the most replayed ones and the retired ones, warm start vs final.
+    rows = _rows_by_key(train_set)
+    probes = {}
+    buffer = getattr(trainer, "experience_buffer", None)
+    candidates = {
+        "replayed": [key for key, _ in replay_counts.most_common(PROBE_QUESTIONS)],
+        "retired": sorted(buffer.retired)[:PROBE_QUESTIONS] if buffer is not None else [],
+    }
+    for name, keys in candidates.items():
+        keys = [key for key in keys if key in rows]
+        if not keys:
+            continue
+        probe_set = Dataset.from_list([rows[key] for key in keys])
+        probes[name] = {
+            "questions": len(keys),
+            "warm_start": _evaluation(task, warm, tokenizer, probe_set, seed),
+            "final": _evaluation(task, trainer.model, tokenizer, probe_set, seed),
+        }
+    histogram = Counter(replay_counts.values())
+    record = {
+        "task": task.name,
+        "arm": arm_name,
+        "seed": seed,
+        "settings": {
+            "task": {
+                f.name: getattr(task, f.name) for f in dataclasses.fields(task) if not callable(getattr(task, f.name))
+            },
+            "arm": dataclasses.asdict(arm),
+            "trainer": type(trainer).__name__,
+            "config": {k: v for k, v in kwargs.items() if k not in ("output_dir", "report_to", "disable_tqdm")},
+        },
+        "seconds": round(time.perf_counter() - start, 1),
+        "curve": curve,
+        "steps": steps_log,
+        "replay_counts": {
+            "questions_replayed": len(replay_counts),
+            "replays": sum(replay_counts.values()),
+            "max": max(replay_counts.values(), default=0),
+            "histogram": {str(c): n for c, n in sorted(histogram.items())},
+        },
+        "probes": probes,
+        "final": {
+            "pass_at_1": curve["pass_at_1"][-1],
+            "by_difficulty": {d: v[-1] for d, v in curve["by_difficulty"].items()},
+            "rollouts": steps_log["rollouts"][-1],
+        },
+    }
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(record, separators=(",", ":")) + "\n")
+    os.replace(tmp, out_path)
+    return record
+
+
+# ------------------------------------------------------------------------------------------------ the study
+def run_path(results: Path, task: str, arm: str, seed: int) -> Path:
+    return results / task / arm / f"seed{seed}.json"
+
+
+def _parse_seeds(text: str) -> list[int]:
+    seeds = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        seeds.extend(range(int(lo), int(hi) + 1) if hi else [int(lo)])
+    return seeds
+
+
+def _child_command(args, task: str, arm: str, seed: int) -> list[str]:
+    cmd = [sys.executable, "-m", "exgrpo_trl.cli", "study", "--run-one", task, arm, str(seed)]
+    cmd += ["--results", str(args.results), "--cache-dir", str(args.cache_dir)]
+    return cmd + (["--quick"] if args.quick else [])
+
+
+def run_missing(args, tasks: dict[str, Task], todo: list[tuple[str, str, int]]) -> list[str]:
+    """Train the runs in `todo`, `args.jobs` at a time in child processes; returns the failures."""
+    from tqdm.auto import tqdm
+
+    for task in {t for t, _, _ in todo}:  # build each warm start once, before the children need it
+        tasks[task].load(str(args.cache_dir), tasks[task].warm_start_steps, not args.no_progress)
+    logs = Path(args.cache_dir) / "study-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    pending, running, failures = list(todo), {}, []
+    bar = tqdm(total=len(todo), desc="study runs", unit="run", disable=args.no_progress, dynamic_ncols=True)
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            key = pending.pop(0)
+            log = open(logs / f"{key[0]}-{key[1]}-seed{key[2]}.log", "w")  # noqa: SIM115 (closed when it ends)
+            running[key] = (subprocess.Popen(_child_command(args, *key), stdout=log, stderr=subprocess.STDOUT), log)
+        time.sleep(1.0)
+        for key, (proc, log) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            log.close()
+            del running[key]
+            bar.update(1)
+            name = f"{key[0]}/{key[1]}/seed{key[2]}"
+            if proc.returncode != 0:
+                failures.append(f"{name} failed (exit {proc.returncode}); log: {log.name}")
+                bar.write(failures[-1])
+            else:
+                record = json.loads(run_path(args.results, *key).read_text())
+                bar.write(f"{name}: held-out pass@1 {record['final']['pass_at_1']:.3f} ({record['seconds']:.0f}s)")
+        bar.set_postfix(running=", ".join(f"{t}/{a}/s{s}" for t, a, s in running), refresh=False)
+    bar.close()
+    return failures
+
+
+# ------------------------------------------------------------------------------------------------ the report
+def _median_band(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def _first_reaching(record: dict, target: float) -> int | None:
+    for rollouts, value in zip(record["curve"]["rollouts"], record["curve"]["pass_at_1"]):
+        if value is not None and value >= target - 1e-12:
+            return rollouts
+    return None
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per task and arm: final held-out pass@1 over seeds (median, min, max; overall and per difficulty), and the
+    generated rollouts each seed needed to reach GRPO's final median, against GRPO's total."""
+    by: dict[str, dict[str, list[dict]]] = {}
+    for record in runs:
+        by.setdefault(record["task"], {}).setdefault(record["arm"], []).append(record)
+    summary: dict[str, Any] = {}
+    for task, arms in by.items():
+        grpo = arms.get("grpo", [])
+        target = statistics.median(r["final"]["pass_at_1"] for r in grpo) if grpo else None
+        grpo_rollouts = statistics.median(r["final"]["rollouts"] for r in grpo) if grpo else None
+        warm = [r["curve"]["pass_at_1"][0] for rs in arms.values() for r in rs]
+        summary[task] = {"grpo_final_median": target, "grpo_rollouts": grpo_rollouts, "arms": {}}
+        summary[task]["warm_start_median"] = statistics.median(warm) if warm else None
+        for arm, records in sorted(arms.items(), key=lambda kv: list(ARMS).index(kv[0]) if kv[0] in ARMS else 99):
+            records = sorted(records, key=lambda r: r["seed"])
+            finals = [r["final"]["pass_at_1"] for r in records]
+            difficulties = sorted({d for r in records for d in r["final"]["by_difficulty"]}, key=float)
+            entry = {
+                "seeds": [r["seed"] for r in records],
+                "final": dict(zip(("median", "min", "max"), _median_band(finals))),
+                "final_per_seed": finals,
+                "by_difficulty": {
+                    d: statistics.median(r["final"]["by_difficulty"][d] for r in records) for d in difficulties
+                },
+                "rollouts": statistics.median(r["final"]["rollouts"] for r in records),
+            }
+            if target is not None:
+                reach = [_first_reaching(r, target) for r in records]
+                reached = [x for x in reach if x is not None]
+                # median over seeds, a seed that never reached counting as infinitely many rollouts
+                ordered = sorted(x if x is not None else math.inf for x in reach)
+                median = statistics.median(ordered) if ordered else math.inf
+                entry["rollouts_to_grpo_final"] = {
+                    "per_seed": reach,
+                    "reached": len(reached),
+                    "median": None if math.isinf(median) else median,
+                    "share_of_grpo": None if math.isinf(median) or not grpo_rollouts else median / grpo_rollouts,
+                }
+            summary[task]["arms"][arm] = entry
+    return summary
+
+
+def _f(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(summary: dict) -> str:
+    lines = []
+    for task, s in summary.items():
+        lines.append(f"### {task}: {TASKS[task].description if task in TASKS else ''}")
+        lines.append("")
+        lines.append(
+            f"Warm start held-out pass@1 {_f(s['warm_start_median'])}; "
+            f"GRPO's final median {_f(s['grpo_final_median'])} after {_f(s['grpo_rollouts'], 0)} generated rollouts."
+        )
+        lines.append("")
+        difficulties = sorted({d for a in s["arms"].values() for d in a["by_difficulty"]}, key=float)
+        head = ["arm", "seeds", "final pass@1 median [min, max]", *[f"d={d}" for d in difficulties]]
+        head += ["rollouts to GRPO's final (median)", "share of GRPO's", "seeds reaching"]
+        lines.append("| " + " | ".join(head) + " |")
+        lines.append("|" + "---|" * len(head))
+        for arm, a in s["arms"].items():
+            reach = a.get("rollouts_to_grpo_final", {})
+            share = reach.get("share_of_grpo")
+            row = [
+                arm,
+                str(len(a["seeds"])),
+                f"{_f(a['final']['median'])} [{_f(a['final']['min'])}, {_f(a['final']['max'])}]",
+                *[_f(a["by_difficulty"].get(d)) for d in difficulties],
+                _f(reach.get("median"), 0) if reach.get("median") is not None else "not reached",
+                "-" if share is None else f"{100 * share:.0f}%",
+                f"{reach.get('reached', 0)}/{len(a['seeds'])}",
+            ]
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def figure(runs: list[dict], path: Path, arms: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({r["task"] for r in runs}, key=lambda t: list(TASKS).index(t) if t in TASKS else 99)
+    fig, axes = plt.subplots(1, max(1, len(tasks)), figsize=(5.2 * max(1, len(tasks)), 3.8), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for arm in arms:
+            records = [r for r in runs if r["task"] == task and r["arm"] == arm]
+            if not records:
+                continue
+            n = min(len(r["curve"]["rollouts"]) for r in records)
+            x = [statistics.median(r["curve"]["rollouts"][j] for r in records) / 1000 for j in range(n)]
+            ys = [[r["curve"]["pass_at_1"][j] for r in records] for j in range(n)]
+            median = [statistics.median(y) for y in ys]
+            main = arm in MAIN_ARMS
+            line = ax.plot(
+                x, median, lw=2.2 if main else 1.0, ls="-" if main else "--", label=f"{arm} ({len(records)})"
+            )
+            ax.fill_between(
+                x,
+                [min(y) for y in ys],
+                [max(y) for y in ys],
+                color=line[0].get_color(),
+                alpha=0.18 if main else 0.06,
+                lw=0,
+            )
+        ax.set_title(task)
+        ax.set_xlabel("generated rollouts (thousands)")
+        ax.set_ylabel("held-out pass@1")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def report(results: Path, tasks: list[str] | None, arms: list[str] | None) -> tuple[dict, str]:
+    runs = []
+    for path in sorted(results.glob("*/*/seed*.json")):
+        record = json.loads(path.read_text())
+        if (tasks is None or record["task"] in tasks) and (arms is None or record["arm"] in arms):
+            runs.append(record)
+    summary = summarize(runs)
+    table = markdown(summary)
+    (results / "results.json").write_text(json.dumps(summary, indent=1) + "\n")
+    (results / "results.md").write_text(table + "\n")
+    plotted = [a for a in ARMS if any(r["arm"] == a for r in runs)]
+    figure(runs, results / "study.png", plotted)
+    return summary, table
+
+
+# ------------------------------------------------------------------------------------------------ command line
+QUICK = dict(steps=2, eval_every=1, eval_questions=8, eval_samples=2, train_questions=64, warm_start_steps=5)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="exgrpo study", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)}")
+    p.add_argument("--arms", default=",".join(MAIN_ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--seeds", default="0-4", help="e.g. 0-4 or 0,2,5 (default 0-4)")
+    p.add_argument("--results", type=Path, default=Path(DEFAULT_RESULTS), help=f"default {DEFAULT_RESULTS}")
+    p.add_argument("--cache-dir", type=Path, default=Path(DEFAULT_CACHE), help="warm starts and run logs")
+    p.add_argument("--jobs", type=int, default=2, help="runs trained at a time (default 2, one thread each)")
+    p.add_argument("--report-only", action="store_true", help="train nothing: tables and figure from saved runs")
+    p.add_argument("--quick", action="store_true", help="a smoke study in seconds: " + str(QUICK))
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--run-one", nargs=3, metavar=("TASK", "ARM", "SEED"), help=argparse.SUPPRESS)
+    return p
+
+
+def _tasks(quick: bool) -> dict[str, Task]:
+    return {name: dataclasses.replace(t, **QUICK) if quick else t for name, t in TASKS.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    tasks = _tasks(args.quick)
+    if args.run_one:
+        from .demo import _quiet
+
+        task, arm, seed = args.run_one
+        with _quiet():
+            run_one(
+                tasks[task],
+                arm,
+                int(seed),
+                run_path(args.results, task, arm, int(seed)),
+                str(args.cache_dir),
+                str(Path(args.cache_dir) / "study-trainer"),
+            )
+        return 0
+    names = [t for t in args.tasks.split(",") if t]
+    arms = [a for a in args.arms.split(",") if a]
+    for name, known, what in [(n, TASKS, "task") for n in names] + [(a, ARMS, "arm") for a in arms]:
+        if name not in known:
+            print(f"exgrpo study: unknown {what} {name!r}; known: {', '.join(known)}", file=sys.stderr)
+            return 2
+    seeds = _parse_seeds(args.seeds)
+    failures = []
+    if not args.report_only:
+        todo = [(t, a, s) for t in names for a in arms for s in seeds if not run_path(args.results, t, a, s).exists()]
+        done = len(names) * len(arms) * len(seeds) - len(todo)
+        print(f"exgrpo study: {len(todo)} runs to train, {done} found in {args.results}", flush=True)
+        failures = run_missing(args, tasks, todo) if todo else []
+    _, table = report(args.results, names, arms)
+    print(table)
+    print(f"results: {args.results / 'results.json'}, {args.results / 'results.md'}, {args.results / 'study.png'}")
+    for failure in failures:
+        print(failure, file=sys.stderr)
+    return 1 if failures else 0

@@ -1,0 +1,78 @@
+"""The study harness (`exgrpo study`, benchmarks/study.py) at a tiny size: what a run saves, the table, the figure,
+and that a second call finds the saved runs and trains nothing. Plus the report's arithmetic on hand-made runs."""
+
+import json
+import math
+
+import pytest
+
+from exgrpo_trl.cli import study
+
+
+def test_tiny_study_saves_reports_and_resumes(tmp_path, capsys):
+    results, cache = tmp_path / "results", tmp_path / "cache"
+    argv = ["--quick", "--tasks", "addition", "--arms", "grpo,exgrpo", "--seeds", "0", "--results", str(results),
+            "--cache-dir", str(cache), "--no-progress"]  # fmt: skip
+    assert study.main(argv) == 0
+    first = capsys.readouterr().out
+    assert "2 runs to train, 0 found" in first
+    runs = {arm: results / "addition" / arm / "seed0.json" for arm in ("grpo", "exgrpo")}
+    for arm, path in runs.items():
+        record = json.loads(path.read_text())
+        assert (record["task"], record["arm"], record["seed"]) == ("addition", arm, 0)
+        assert record["settings"]["task"]["steps"] == 2 and record["settings"]["arm"] == study.ARMS[arm].__dict__
+        # quick: evaluated at steps 0, 1, 2; 16 questions x 8 rollouts per step, none replayed from the warm start
+        assert record["curve"]["step"] == [0, 1, 2]
+        assert record["curve"]["rollouts"] == [0, 128, 256] and record["final"]["rollouts"] == 256
+        assert set(record["curve"]["by_difficulty"]) == set(record["final"]["by_difficulty"]) >= {"1"}
+        assert len(record["steps"]["fresh_questions"]) == 2
+        assert record["settings"]["trainer"] == ("GRPOTrainer" if arm == "grpo" else "ExGRPOTrainer")
+    summary = json.loads((results / "results.json").read_text())
+    assert set(summary["addition"]["arms"]) == {"grpo", "exgrpo"}
+    assert "| grpo | 1 |" in (results / "results.md").read_text()
+    assert (results / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    mtimes = {arm: path.stat().st_mtime_ns for arm, path in runs.items()}
+    assert study.main(argv) == 0
+    assert "0 runs to train, 2 found" in capsys.readouterr().out
+    assert {arm: path.stat().st_mtime_ns for arm, path in runs.items()} == mtimes  # nothing retrained
+
+
+def record(arm, seed, rollouts, curve, by_difficulty=None):
+    final = curve[-1]
+    return {
+        "task": "t", "arm": arm, "seed": seed,
+        "curve": {"rollouts": rollouts, "pass_at_1": curve},
+        "final": {"pass_at_1": final, "rollouts": rollouts[-1], "by_difficulty": by_difficulty or {"1": final}},
+    }  # fmt: skip
+
+
+def test_summary_arithmetic():
+    # GRPO finals 0.5, 0.6, 0.7 -> target (median) 0.6 after 1000 rollouts each.
+    # ExGRPO seed 0 reaches 0.6 at 400 rollouts, seed 1 at 800, seed 2 never: median over {400, 800, inf} = 800,
+    # 80% of GRPO's 1000; finals 0.65, 0.6, 0.55 -> median 0.6 [0.55, 0.65].
+    grpo_x = [0, 500, 1000]
+    runs = [record("grpo", s, grpo_x, [0.4, 0.45, f]) for s, f in enumerate([0.5, 0.6, 0.7])]
+    ex_x = [0, 400, 800]
+    runs += [record("exgrpo", 0, ex_x, [0.4, 0.61, 0.65]), record("exgrpo", 1, ex_x, [0.4, 0.5, 0.6]),
+             record("exgrpo", 2, ex_x, [0.4, 0.5, 0.55])]  # fmt: skip
+    s = study.summarize(runs)["t"]
+    assert s["grpo_final_median"] == pytest.approx(0.6) and s["grpo_rollouts"] == 1000
+    ex = s["arms"]["exgrpo"]
+    assert ex["final"] == {"median": 0.6, "min": 0.55, "max": 0.65}
+    assert ex["rollouts_to_grpo_final"] == {"per_seed": [400, 800, None], "reached": 2, "median": 800,
+                                            "share_of_grpo": 0.8}  # fmt: skip
+    # GRPO itself: seeds 1 and 2 reach 0.6 at 1000 (their finals), seed 0 never -> median 1000, 100%
+    assert s["arms"]["grpo"]["rollouts_to_grpo_final"]["median"] == 1000
+    table = study.markdown(study.summarize(runs))
+    assert "| exgrpo | 3 | 0.600 [0.550, 0.650] | 0.600 | 800 | 80% | 2/3 |" in table
+    # a majority of seeds that never reach it: the median is infinite, reported as not reached
+    runs[-2] = record("exgrpo", 1, ex_x, [0.4, 0.5, 0.58])
+    ex = study.summarize(runs)["t"]["arms"]["exgrpo"]["rollouts_to_grpo_final"]
+    assert ex["median"] is None and ex["share_of_grpo"] is None and ex["reached"] == 1
+    assert not math.isinf(study.summarize(runs)["t"]["grpo_rollouts"])
+
+
+def test_unknown_arm_is_one_line(capsys):
+    assert study.main(["--arms", "grpo,nope", "--report-only"]) == 2
+    assert "unknown arm 'nope'" in capsys.readouterr().err
