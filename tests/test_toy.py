@@ -318,3 +318,31 @@ def test_evaluate_pass_at_1_real_model_seeded(tokenizer):
         "per_question"
     ]
     assert not model.training
+
+
+# ---------------------------------------------------------------- other tasks leave addition unchanged
+def test_addition_vocab_and_cache_key_pinned():
+    # ids and the demo's warm-start entry name as they were before the tokenizer took an alphabet and the warm
+    # start a task: a change here orphans every cached addition warm start
+    vocab = build_char_tokenizer().get_vocab()
+    assert vocab == {
+        "<pad>": 0,
+        "<eos>": 1,
+        "<bos>": 2,
+        "<unk>": 3,
+        **{str(d): 4 + d for d in range(10)},
+        "+": 14,
+        "=": 15,
+    }
+    demo = dict(steps=1500, seed=0, batch_size=128, lr=2e-3, warmup=100)
+    shape = dict(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=512)
+    entry, settings = toy._warm_start_entry(toy.Path("c"), **demo, **shape)
+    assert entry.name == "warm-start-1500steps-seed0-dc0db9a3570b" and "task" not in settings
+
+
+def test_char_tokenizer_alphabet_argument():
+    tok = build_char_tokenizer(alphabet=toy.ALPHABET + ("-",))
+    assert len(tok) == 17 and tok("9-1=8")["input_ids"] == [13, 16, 5, 15, 12]
+    for bad in (("1", "1"), ("ab",)):
+        with pytest.raises(ValueError):
+            build_char_tokenizer(alphabet=bad)

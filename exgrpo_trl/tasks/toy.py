@@ -2,12 +2,15 @@
 
 Everything here is built locally (no downloads):
 
-- `build_char_tokenizer`: a character-level tokenizer over ``0-9 + =`` and four specials.
+- `build_char_tokenizer`: a character-level tokenizer over ``0-9 + =`` (or another alphabet) and four specials.
 - `build_tiny_model`: a ~1M-parameter Qwen2-shaped causal LM (float32, tied embeddings, head size 64).
 - `addition_dataset` / `addition_splits`: "37+48=" -> "85", difficulty = number of digits of the operands.
 - `addition_reward`: the binary verifier (exact match of the stripped completion), TRL reward-function shaped.
 - `warm_start` / `load_or_train_warm_start`: a short supervised phase to a moderate pass rate, cached on disk.
 - `evaluate_pass_at_1`: sampled pass@1 per question and by difficulty.
+
+Addition is the default everywhere; another task (`countdown`) plugs into the tokenizer, warm start and evaluation
+through an `alphabet`, a `SupervisedTask` and a `reward_fn`.
 
 Command line: ``python -m exgrpo_trl.tasks.toy --out DIR [--warm-start-steps N]`` writes a model folder (model +
 tokenizer, loadable with ``AutoModelForCausalLM`` and ``PreTrainedTokenizerFast``) and ``train.jsonl`` /
@@ -27,7 +30,8 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,6 +50,7 @@ __all__ = [
     "addition_dataset",
     "addition_splits",
     "addition_reward",
+    "SupervisedTask",
     "warm_start",
     "load_or_train_warm_start",
     "warm_start_is_cached",
@@ -62,13 +67,20 @@ _WARM_START_FORMAT = 2
 # --------------------------------------------------------------------------------------------------------------
 # Tokenizer
 # --------------------------------------------------------------------------------------------------------------
-def build_char_tokenizer(save_dir: str | os.PathLike | None = None) -> PreTrainedTokenizerFast:
-    """A character-level tokenizer: one token per character of ``0-9 + =``, plus ``<pad> <eos> <bos> <unk>``.
+def build_char_tokenizer(
+    save_dir: str | os.PathLike | None = None, *, alphabet: Iterable[str] = ALPHABET
+) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: one token per character of `alphabet` (``0-9 + =``), plus
+    ``<pad> <eos> <bos> <unk>``.
 
-    Ids: specials 0-3 in that order, then the alphabet. No special token is added on encode; left padding.
+    Ids: specials 0-3 in that order, then the alphabet in its order, so an alphabet that extends `ALPHABET` at the
+    end keeps every addition id. No special token is added on encode; left padding.
     The `Fuse` decoder makes ``batch_decode`` join characters without spaces (exact-match rewards need it).
     """
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ALPHABET)}
+    alphabet = tuple(alphabet)
+    if len(set(alphabet)) != len(alphabet) or any(len(ch) != 1 for ch in alphabet):
+        raise ValueError(f"alphabet must be distinct single characters, got {alphabet}")
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + alphabet)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -273,13 +285,37 @@ def _encode_chars(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
     return [vocab.get(ch, unk) for ch in text]
 
 
+@dataclass(frozen=True)
+class SupervisedTask:
+    """What a warm start other than addition trains on: the tokenizer's alphabet and an example generator.
+
+    `example(rng)` returns one ``(prompt, answer)`` drawn with `rng` only. `name` goes into the warm-start cache
+    key in place of the generator itself: change it whenever the examples or the alphabet change.
+    """
+
+    name: str
+    alphabet: tuple[str, ...]
+    example: Callable[[random.Random], tuple[str, str]]
+
+
 def _supervised_batch(
-    tokenizer: PreTrainedTokenizerFast, rng: random.Random, batch_size: int, min_digits: int, max_digits: int
+    tokenizer: PreTrainedTokenizerFast,
+    rng: random.Random,
+    batch_size: int,
+    min_digits: int,
+    max_digits: int,
+    example: Callable[[random.Random], tuple[str, str]] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Left-padded ``prompt + answer + <eos>`` rows; labels only on answer tokens and <eos> (-100 elsewhere)."""
+    """Left-padded ``prompt + answer + <eos>`` rows; labels only on answer tokens and <eos> (-100 elsewhere).
+
+    Rows are addition problems with `min_digits`-`max_digits` digits, or ``example(rng)`` when given.
+    """
     seqs, n_prompt = [], []
     for _ in range(batch_size):
-        prompt, answer = _random_problem(rng, rng.randint(min_digits, max_digits))
+        if example is None:
+            prompt, answer = _random_problem(rng, rng.randint(min_digits, max_digits))
+        else:
+            prompt, answer = example(rng)
         p = _encode_chars(tokenizer, prompt)
         seqs.append(p + _encode_chars(tokenizer, answer) + [tokenizer.eos_token_id])
         n_prompt.append(len(p))
@@ -307,8 +343,12 @@ def warm_start(
     min_digits: int = 1,
     max_digits: int = 4,
     progress: bool = True,
+    example: Callable[[random.Random], tuple[str, str]] | None = None,
 ) -> dict:
     """Supervised training on freshly generated addition problems (loss on answer tokens and <eos> only).
+
+    `example`, when given, replaces addition: each row is ``example(rng)`` (a `SupervisedTask.example`) and
+    `min_digits` / `max_digits` are unused; the tokenizer must cover its characters.
 
     AdamW (weight decay 0.01), linear warm-up over `warmup` steps, then cosine decay from `lr` to `lr / 10`;
     gradient clip 1.0.
@@ -338,7 +378,7 @@ def warm_start(
     bar = tqdm(range(steps), desc="warm start (supervised)", disable=not progress, unit="step", dynamic_ncols=True)
     try:
         for _ in bar:
-            batch = _supervised_batch(tokenizer, rng, batch_size, min_digits, max_digits)
+            batch = _supervised_batch(tokenizer, rng, batch_size, min_digits, max_digits, example)
             batch = {k: v.to(device) for k, v in batch.items()}
             loss = model(**batch).loss
             optimizer.zero_grad(set_to_none=True)
@@ -361,7 +401,15 @@ def _warm_start_key(settings: dict) -> str:
 
 
 def _warm_start_entry(
-    cache_dir: Path, *, steps: int, seed: int, batch_size: int, lr: float, warmup: int, **model_kwargs
+    cache_dir: Path,
+    *,
+    steps: int,
+    seed: int,
+    batch_size: int,
+    lr: float,
+    warmup: int,
+    task: SupervisedTask | None = None,
+    **model_kwargs,
 ) -> tuple[Path, dict]:
     settings = {
         "format": _WARM_START_FORMAT,
@@ -372,7 +420,11 @@ def _warm_start_entry(
         "warmup": warmup,
         "model": dict(sorted(model_kwargs.items())),
     }
-    return Path(cache_dir) / f"warm-start-{steps}steps-seed{seed}-{_warm_start_key(settings)}", settings
+    prefix = "warm-start"
+    if task is not None:  # addition (None) keeps the key and folder name it had before tasks existed
+        settings["task"] = task.name
+        prefix = f"warm-start-{task.name}"
+    return Path(cache_dir) / f"{prefix}-{steps}steps-seed{seed}-{_warm_start_key(settings)}", settings
 
 
 def warm_start_is_cached(
@@ -383,11 +435,12 @@ def warm_start_is_cached(
     batch_size: int = 128,
     lr: float = 2e-3,
     warmup: int = 100,
+    task: SupervisedTask | None = None,
     **model_kwargs,
 ) -> bool:
     """Whether `load_or_train_warm_start` with the same arguments would load from `cache_dir` (no training)."""
     entry, _ = _warm_start_entry(
-        Path(cache_dir), steps=steps, seed=seed, batch_size=batch_size, lr=lr, warmup=warmup, **model_kwargs
+        Path(cache_dir), steps=steps, seed=seed, batch_size=batch_size, lr=lr, warmup=warmup, task=task, **model_kwargs
     )
     return (entry / "warm_start.json").is_file()
 
@@ -401,9 +454,12 @@ def load_or_train_warm_start(
     batch_size: int = 128,
     lr: float = 2e-3,
     warmup: int = 100,
+    task: SupervisedTask | None = None,
     **model_kwargs,
 ):
     """A warm-started (model, tokenizer), trained once and then loaded from `cache_dir`.
+
+    `task` None trains on addition; a `SupervisedTask` trains on its examples with a tokenizer over its alphabet.
 
     The cache entry is keyed by every setting (steps, seed, optimiser settings, model shape) and written
     atomically (a temporary folder renamed into place), so an interrupted run never leaves a half-written entry.
@@ -412,7 +468,7 @@ def load_or_train_warm_start(
     """
     cache_dir = Path(cache_dir)
     entry, settings = _warm_start_entry(
-        cache_dir, steps=steps, seed=seed, batch_size=batch_size, lr=lr, warmup=warmup, **model_kwargs
+        cache_dir, steps=steps, seed=seed, batch_size=batch_size, lr=lr, warmup=warmup, task=task, **model_kwargs
     )
     if (entry / "warm_start.json").is_file():
         tokenizer = load_char_tokenizer(entry)
@@ -420,11 +476,19 @@ def load_or_train_warm_start(
         model.warm_start_path = str(entry)
         return model, tokenizer
 
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_char_tokenizer() if task is None else build_char_tokenizer(alphabet=task.alphabet)
     model = build_tiny_model(tokenizer, seed=seed, **model_kwargs)
     if steps > 0:
         info = warm_start(
-            model, tokenizer, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, seed=seed, progress=progress
+            model,
+            tokenizer,
+            steps=steps,
+            batch_size=batch_size,
+            lr=lr,
+            warmup=warmup,
+            seed=seed,
+            progress=progress,
+            example=None if task is None else task.example,
         )
     else:
         info = {"losses": [], "seconds": 0.0, "steps": 0}
@@ -466,6 +530,9 @@ def evaluate_pass_at_1(
     batch_size: int = 256,
     seed: int = 0,
     progress: bool = True,
+    reward_fn: Callable[..., list[float]] | None = None,
+    difficulty_key: str = "digits",
+    return_completions: bool = False,
 ) -> dict:
     """Sampled pass@1: for each question, the fraction of `samples` sampled completions that are correct.
 
@@ -473,15 +540,22 @@ def evaluate_pass_at_1(
     ``{"overall": mean over questions, "by_digits": {d: mean over questions with d digits},
     "per_question": [pass rate of each question, in dataset order]}``. Sampling is seeded (global torch RNG
     forked, so the caller's is untouched); `temperature` 0 means greedy. `batch_size` counts sequences.
+
+    Other tasks: `reward_fn` (default `addition_reward`) is called TRL-style, ``reward_fn(completions, **columns)``
+    with every column but ``prompt`` repeated per sample; `difficulty_key` names the column of the per-difficulty
+    split, returned as ``"by_{difficulty_key}"``; `return_completions` adds ``"completions"``: each question's
+    sampled texts.
     """
+    reward_fn = addition_reward if reward_fn is None else reward_fn
     prompts = list(dataset["prompt"])
-    answers = [str(a) for a in dataset["answer"]]
-    digits = list(dataset["digits"]) if "digits" in dataset.column_names else None
+    columns = {c: list(dataset[c]) for c in dataset.column_names if c != "prompt"}
+    digits = list(dataset[difficulty_key]) if difficulty_key in dataset.column_names else None
     questions_per_batch = max(1, batch_size // samples)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     per_question: list[float] = []
+    completions: list[list[str]] = []
     padding_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     sample = temperature > 0
@@ -503,10 +577,14 @@ def evaluate_pass_at_1(
                 enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
                 out = model.generate(**enc, **gen_kwargs)
                 texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-                expected = [a for a in answers[i : i + questions_per_batch] for _ in range(samples)]
-                rewards = addition_reward(texts, expected)
+                repeated = {
+                    c: [v for v in vs[i : i + questions_per_batch] for _ in range(samples)]
+                    for c, vs in columns.items()
+                }
+                rewards = reward_fn(texts, **repeated)
                 for q in range(len(chunk)):
                     per_question.append(sum(rewards[q * samples : (q + 1) * samples]) / samples)
+                    completions.append(texts[q * samples : (q + 1) * samples])
     finally:
         tokenizer.padding_side = padding_side
         model.train(was_training)
@@ -517,7 +595,10 @@ def evaluate_pass_at_1(
             groups[int(d)].append(p)
         by_digits = {d: sum(v) / len(v) for d, v in sorted(groups.items())}
     overall = sum(per_question) / len(per_question) if per_question else math.nan
-    return {"overall": overall, "by_digits": by_digits, "per_question": per_question}
+    result = {"overall": overall, f"by_{difficulty_key}": by_digits, "per_question": per_question}
+    if return_completions:
+        result["completions"] = completions
+    return result
 
 
 # --------------------------------------------------------------------------------------------------------------
