@@ -113,6 +113,17 @@ class ExGRPOConfig(GRPOConfig):
         },
     )
 
+    remove_clip_after_replay_start: bool = field(
+        default=False,
+        metadata={
+            "help": "Once replay has started (the delayed start), drop the PPO clip on fresh tokens: their per-token "
+            "loss becomes -r * A. The authors' released script does this (loss_remove_clip=True) and the paper "
+            "recipes set it; the paper's objective (SPEC §8) keeps TRL's clipped loss, so it is off by default. For "
+            "the PPO-clipped loss types (grpo, bnpo, dr_grpo, dapo, luspo), on batches generated after the switch. "
+            "Replayed tokens are never clipped either way."
+        },
+    )
+
     def __post_init__(self):
         self._validate_exgrpo_fields()
         super().__post_init__()

@@ -74,3 +74,5 @@ def aggregate_token_loss(
 
 
 SUPPORTED_LOSS_TYPES = ("grpo", "sapo", "bnpo", "dr_grpo", "cispo", "dapo", "vespo", "luspo")
+# The loss types whose fresh tokens TRL clips PPO-style, clamp(r, 1 - epsilon_low, 1 + epsilon_high).
+PPO_CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")

@@ -20,7 +20,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from .buffer import ExperienceBuffer
 from .card import add_section, exgrpo_card_section
 from .config import ExGRPOConfig
-from .loss import SUPPORTED_LOSS_TYPES, aggregate_token_loss, shaped_replay_token_loss
+from .loss import PPO_CLIPPED_LOSS_TYPES, SUPPORTED_LOSS_TYPES, aggregate_token_loss, shaped_replay_token_loss
 from .replay import (
     BatchOutcome,
     PendingCollection,
@@ -152,6 +152,11 @@ class ExGRPOTrainer(GRPOTrainer):
         if self.loss_type not in SUPPORTED_LOSS_TYPES:
             raise ValueError(f"ExGRPOTrainer supports loss_type in {SUPPORTED_LOSS_TYPES}, got {self.loss_type!r}")
         cfg: ExGRPOConfig = self.args
+        if cfg.remove_clip_after_replay_start and self.loss_type not in PPO_CLIPPED_LOSS_TYPES:
+            raise ValueError(
+                f"remove_clip_after_replay_start removes the PPO clip of loss_type in {PPO_CLIPPED_LOSS_TYPES}; "
+                f"loss_type {self.loss_type!r} has none to remove."
+            )
         self.experience_buffer = ExperienceBuffer(
             self.num_generations,
             mu=cfg.replay_mu,
@@ -363,6 +368,11 @@ class ExGRPOTrainer(GRPOTrainer):
             step=self.state.global_step,
         )
         self._exgrpo_add_row_keys(output, batch, self._exgrpo_pending)
+        # generated after replay started (never with replay_ratio 0): no clip on fresh tokens
+        if cfg.remove_clip_after_replay_start and collecting and cfg.replay_ratio > 0:
+            output["exgrpo_unclipped"] = torch.ones(
+                len(batch.rows.inputs), dtype=torch.bool, device=outcome.solved.device
+            )
         self._exgrpo_check_delayed_start(outcome)
         self._exgrpo_log_batch_metrics(batch, outcome, collecting)
 
@@ -492,6 +502,20 @@ class ExGRPOTrainer(GRPOTrainer):
         finally:
             self._exgrpo_captured = None
 
+    @contextlib.contextmanager
+    def _exgrpo_without_clip(self, active: bool):
+        """Within the block TRL's clamp(r, 1 - epsilon_low, 1 + epsilon_high) is the identity, so the PPO-clipped
+        loss types give -r * A on fresh tokens (`remove_clip_after_replay_start`); its clip metrics then read 0."""
+        if not active:
+            yield
+            return
+        saved = self.epsilon_low, self.epsilon_high
+        self.epsilon_low = self.epsilon_high = math.inf
+        try:
+            yield
+        finally:
+            self.epsilon_low, self.epsilon_high = saved
+
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
@@ -505,15 +529,17 @@ class ExGRPOTrainer(GRPOTrainer):
         replay = training and "exgrpo_replay_mask" in inputs
         pending = self._exgrpo_pending
         collect_now = training and pending is not None and pending.micro_batches_left > 0 and "exgrpo_row" in inputs
+        unclipped = training and "exgrpo_unclipped" in inputs
         if not (replay or collect_now):
-            return super()._compute_loss(model, inputs)
+            with self._exgrpo_without_clip(unclipped):
+                return super()._compute_loss(model, inputs)
 
         inputs_for_trl = inputs
         if replay:
             replay_mask = inputs["exgrpo_replay_mask"]  # (B,)
             # Replayed rows add nothing to TRL's fresh-token loss but still count in its normaliser.
             inputs_for_trl = {**inputs, "advantages": inputs["advantages"].masked_fill(replay_mask, 0.0)}
-        with self._exgrpo_capture_logps() as captured:
+        with self._exgrpo_capture_logps() as captured, self._exgrpo_without_clip(unclipped):
             loss = super()._compute_loss(model, inputs_for_trl)
         per_token_logps = captured[-1]  # (B, T), with grad: the policy forward of this loss pass
 

@@ -45,6 +45,9 @@ def test_every_field_has_help():
         "success_reward_threshold",
         "skip_retired_questions",
         "max_trajectory_candidates",
+        "skip_retired_without_replay",
+        "replay_stored_trajectory",
+        "remove_clip_after_replay_start",
     }
     for f in fields(ExGRPOConfig):
         if f.name in own:
