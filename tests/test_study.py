@@ -76,3 +76,12 @@ def test_summary_arithmetic():
 def test_unknown_arm_is_one_line(capsys):
     assert study.main(["--arms", "grpo,nope", "--report-only"]) == 2
     assert "unknown arm 'nope'" in capsys.readouterr().err
+
+
+def test_set_overrides_task_fields(capsys):
+    tasks = study._tasks(False, study._overrides(["learning_rate=2e-4", "steps=600"]))
+    assert tasks["addition"].learning_rate == 2e-4 and tasks["addition"].steps == 600
+    assert isinstance(tasks["addition"].steps, int)
+    assert study.TASKS["addition"].steps == 300  # the registry itself is untouched
+    assert study.main(["--set", "nope=1", "--report-only"]) == 2
+    assert "--set 'nope=1': expected FIELD=VALUE" in capsys.readouterr().err

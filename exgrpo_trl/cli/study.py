@@ -327,6 +327,7 @@ def _parse_seeds(text: str) -> list[int]:
 def _child_command(args, task: str, arm: str, seed: int) -> list[str]:
     cmd = [sys.executable, "-m", "exgrpo_trl.cli", "study", "--run-one", task, arm, str(seed)]
     cmd += ["--results", str(args.results), "--cache-dir", str(args.cache_dir)]
+    cmd += [part for item in args.set for part in ("--set", item)]
     return cmd + (["--quick"] if args.quick else [])
 
 
@@ -525,17 +526,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report-only", action="store_true", help="train nothing: tables and figure from saved runs")
     p.add_argument("--quick", action="store_true", help="a smoke study in seconds: " + str(QUICK))
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a task setting for every task of this call, e.g. learning_rate=2e-4 or steps=600 (use its own "
+        "--results folder: saved runs are found by task, arm and seed only)",
+    )
     p.add_argument("--run-one", nargs=3, metavar=("TASK", "ARM", "SEED"), help=argparse.SUPPRESS)
     return p
 
 
-def _tasks(quick: bool) -> dict[str, Task]:
-    return {name: dataclasses.replace(t, **QUICK) if quick else t for name, t in TASKS.items()}
+def _overrides(items: list[str]) -> dict[str, Any]:
+    """``FIELD=VALUE`` items as Task field values, typed like the field's default (int, float or str)."""
+    fields = {f.name: f for f in dataclasses.fields(Task) if f.name not in ("load", "splits", "reward", "evaluate")}
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in fields or not value:
+            raise ValueError(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {', '.join(fields)}")
+        kind = type(getattr(TASKS[next(iter(TASKS))], name))
+        out[name] = kind(float(value)) if kind is int else kind(value)
+    return out
+
+
+def _tasks(quick: bool, overrides: dict[str, Any] | None = None) -> dict[str, Task]:
+    extra = {**(QUICK if quick else {}), **(overrides or {})}
+    return {name: dataclasses.replace(t, **extra) for name, t in TASKS.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    tasks = _tasks(args.quick)
+    try:
+        tasks = _tasks(args.quick, _overrides(args.set))
+    except ValueError as exc:
+        print(f"exgrpo study: {exc}", file=sys.stderr)
+        return 2
     if args.run_one:
         from .demo import _quiet
 
