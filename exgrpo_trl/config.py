@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -148,15 +149,24 @@ class ExGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"trajectory_selection must be one of {TRAJECTORY_SELECTIONS}, got {self.trajectory_selection!r}."
             )
-        if self.max_trajectory_candidates is not None and self.max_trajectory_candidates < 1:
+        m = self.max_trajectory_candidates
+        # bool is an int in Python, and a float such as 2.5 would silently shortlist 2 (slicing) or fail later
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise ValueError(
-                f"max_trajectory_candidates must be None (every stored trajectory) or >= 1; "
-                f"got {self.max_trajectory_candidates}."
+                f"max_trajectory_candidates must be None (every stored trajectory) or an integer >= 1; got {m!r}."
             )
-        if self.policy_shaping_gamma is not None and not self.policy_shaping_gamma > 0.0:
+        if self.policy_shaping_gamma is not None and not 0.0 < self.policy_shaping_gamma < math.inf:
             raise ValueError(
-                f"policy_shaping_gamma must be > 0, or None for the plain importance ratio; "
+                f"policy_shaping_gamma must be > 0 and finite, or None for the plain importance ratio; "
                 f"got {self.policy_shaping_gamma}."
+            )
+        if not math.isfinite(self.replay_sigma):
+            raise ValueError(f"replay_sigma must be finite (in successes), got {self.replay_sigma}.")
+        # NaN compares False with everything: no rollout would ever count as solved and the buffer would stay empty
+        if not math.isfinite(self.success_reward_threshold):
+            raise ValueError(
+                f"success_reward_threshold must be a finite number (the weighted total reward at which a rollout "
+                f"counts as solved), got {self.success_reward_threshold}."
             )
         if self.num_generations is not None and self.num_generations < 2:
             raise ValueError(

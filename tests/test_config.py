@@ -92,3 +92,53 @@ def test_ablation_values_accepted(tmp_path):
         replay_ratio=0.0,
     )
     assert cfg.policy_shaping_gamma is None and cfg.replay_start_pass_rate is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"success_reward_threshold": float("nan")},
+            "success_reward_threshold must be a finite number (the weighted total reward at which a rollout counts "
+            "as solved), got nan.",
+        ),
+        (
+            {"success_reward_threshold": float("inf")},
+            "success_reward_threshold must be a finite number (the weighted total reward at which a rollout counts "
+            "as solved), got inf.",
+        ),
+        (
+            {"success_reward_threshold": -float("inf")},
+            "success_reward_threshold must be a finite number (the weighted total reward at which a rollout counts "
+            "as solved), got -inf.",
+        ),
+        ({"replay_sigma": float("inf")}, "replay_sigma must be finite (in successes), got inf."),
+        (
+            {"policy_shaping_gamma": float("inf")},
+            "policy_shaping_gamma must be > 0 and finite, or None for the plain importance ratio; got inf.",
+        ),
+        (
+            {"max_trajectory_candidates": 2.5},
+            "max_trajectory_candidates must be None (every stored trajectory) or an integer >= 1; got 2.5.",
+        ),
+        (
+            {"max_trajectory_candidates": True},
+            "max_trajectory_candidates must be None (every stored trajectory) or an integer >= 1; got True.",
+        ),
+        (
+            {"max_trajectory_candidates": 4.0},
+            "max_trajectory_candidates must be None (every stored trajectory) or an integer >= 1; got 4.0.",
+        ),
+    ],
+)
+def test_non_finite_and_non_integer_values_rejected(tmp_path, kwargs, message):
+    """Values that used to be accepted and then trained wrongly without a word (issue 16)."""
+    with pytest.raises(ValueError) as info:
+        make(tmp_path, **kwargs)
+    assert str(info.value) == message
+
+
+def test_finite_thresholds_and_integer_candidates_accepted(tmp_path):
+    cfg = make(tmp_path, success_reward_threshold=0.5, max_trajectory_candidates=2)
+    assert (cfg.success_reward_threshold, cfg.max_trajectory_candidates) == (0.5, 2)
+    assert make(tmp_path, success_reward_threshold=5, max_trajectory_candidates=None).max_trajectory_candidates is None
