@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig
 
@@ -124,6 +124,30 @@ class ExGRPOConfig(GRPOConfig):
             "Replayed tokens are never clipped either way."
         },
     )
+
+    @classmethod
+    def from_grpo_config(cls, config: GRPOConfig, **exgrpo_fields) -> ExGRPOConfig:
+        """An `ExGRPOConfig` that trains like `config` (every GRPOConfig setting, batch sizes included), with
+        ExGRPO's own fields from `exgrpo_fields` (the paper's defaults otherwise)::
+
+            args = ExGRPOConfig.from_grpo_config(grpo_args, replay_ratio=0.5)
+        """
+        if not isinstance(config, GRPOConfig):
+            raise TypeError(f"from_grpo_config needs a GRPOConfig, got {type(config).__name__}.")
+        own = {f.name for f in fields(cls)} - {f.name for f in fields(GRPOConfig)}
+        unknown = sorted(set(exgrpo_fields) - own)
+        if unknown:
+            raise TypeError(
+                f"from_grpo_config takes ExGRPO's own fields only, got {', '.join(unknown)}; set GRPOConfig fields "
+                "on the GRPOConfig itself."
+            )
+        values = {f.name: getattr(config, f.name) for f in fields(config) if f.init}
+        # GRPOConfig.__post_init__ derives the one of these two that was left unset from the other and rejects both
+        # set, so a finished config cannot be passed back as it is. The generation batch alone derives the same
+        # steps_per_generation again (same per-device batch and number of processes).
+        values["steps_per_generation"] = None
+        values.update(exgrpo_fields)
+        return cls(**values)
 
     def __post_init__(self):
         self._validate_exgrpo_fields()

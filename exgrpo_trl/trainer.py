@@ -58,6 +58,17 @@ class GenerationBatch:
     rewards: torch.Tensor | None = None  # (N_global, F): every rank's rewards, gathered (`_calculate_rewards`)
 
 
+def _check_prompt_column(dataset, name: str) -> None:
+    """GRPOTrainer reads each row's 'prompt' only at the first step, where a missing column is a bare KeyError."""
+    columns = getattr(dataset, "column_names", None)  # None: no dataset, or one that does not know its columns
+    if columns is not None and "prompt" not in columns:
+        raise ValueError(
+            f"{name} has no 'prompt' column (its columns: {', '.join(map(repr, columns)) or 'none'}); GRPOTrainer and "
+            "ExGRPOTrainer read each question from 'prompt': rename the question column, e.g. "
+            "`dataset.rename_column('question', 'prompt')`."
+        )
+
+
 class ExGRPOTrainer(GRPOTrainer):
     """GRPOTrainer that learns from its own past successes (ExGRPO, arXiv 2510.02245).
 
@@ -138,13 +149,20 @@ class ExGRPOTrainer(GRPOTrainer):
             params["args"] = ExGRPOConfig("ExGRPO")
         elif not isinstance(config, ExGRPOConfig):
             kind = "a GRPOConfig" if isinstance(config, GRPOConfig) else type(config).__name__
-            raise TypeError(
-                f"ExGRPOTrainer needs an ExGRPOConfig, got {kind}. Build one with the same fields, e.g. "
-                "`ExGRPOConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init})`."
+            hint = (
+                "Convert it with `ExGRPOConfig.from_grpo_config(cfg, replay_ratio=0.5, ...)` (same GRPO settings and "
+                "batch sizes, ExGRPO's fields as keywords)"
+                if isinstance(config, GRPOConfig)
+                else "Build one with `ExGRPOConfig(output_dir=..., ...)`"
             )
+            raise TypeError(f"ExGRPOTrainer needs an ExGRPOConfig, got {kind}. {hint}.")
         columns = getattr(params.get("train_dataset"), "column_names", None) or []
         if "image" in columns or "images" in columns:
             raise NotImplementedError("ExGRPOTrainer does not support image inputs yet.")
+        _check_prompt_column(params.get("train_dataset"), "train_dataset")
+        eval_dataset = params.get("eval_dataset")
+        for name, dataset in eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]:
+            _check_prompt_column(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset")
 
         params.pop("self")
         super().__init__(**params)

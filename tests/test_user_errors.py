@@ -1,0 +1,124 @@
+"""Mistakes a user makes when building an ExGRPOTrainer, met at init with a message that says what to do (issue 16):
+a plain GRPOConfig (and the conversion the message points to), a dataset without a 'prompt' column."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
+
+from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
+
+GRPO_CONFIG_MESSAGE = (
+    "ExGRPOTrainer needs an ExGRPOConfig, got a GRPOConfig. Convert it with "
+    "`ExGRPOConfig.from_grpo_config(cfg, replay_ratio=0.5, ...)` (same GRPO settings and batch sizes, ExGRPO's fields "
+    "as keywords)."
+)
+
+
+def test_plain_grpo_config_error_points_to_the_conversion(tmp_path, tokenizer):
+    with pytest.raises(TypeError) as info:
+        ExGRPOTrainer(
+            model=make_model(tokenizer),
+            reward_funcs=make_reward(tokenizer),
+            args=GRPOConfig(**config_kwargs(tmp_path)),
+            processing_class=tokenizer,
+            train_dataset=synthetic_dataset(),
+        )
+    assert str(info.value) == GRPO_CONFIG_MESSAGE
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [
+        {},
+        {"steps_per_generation": 4},  # generation batch derived from it
+        {"generation_batch_size": 64, "gradient_accumulation_steps": 2},  # steps_per_generation derived
+        {"gradient_accumulation_steps": 3, "scale_rewards": True, "report_to": "all", "gradient_checkpointing": True},
+    ],
+    ids=["default", "steps_per_generation", "generation_batch_size", "normalised-fields"],
+)
+def test_from_grpo_config_keeps_every_grpo_setting(tmp_path, batch):
+    """The conversion the old message suggested fails on any finished GRPOConfig ('generation_batch_size' and
+    'steps_per_generation' can not be both configured); from_grpo_config gives every GRPOConfig field its value."""
+    grpo = GRPOConfig(**{**config_kwargs(tmp_path, per_device_train_batch_size=8, num_generations=4), **batch})
+    with pytest.raises(ValueError, match="'generation_batch_size' and 'steps_per_generation' can not be both"):
+        ExGRPOConfig(**{f.name: getattr(grpo, f.name) for f in dataclasses.fields(grpo) if f.init})
+
+    ex = ExGRPOConfig.from_grpo_config(grpo, replay_ratio=0.25, question_selection="uniform")
+    assert type(ex) is ExGRPOConfig
+    assert {f.name: getattr(ex, f.name) for f in dataclasses.fields(GRPOConfig)} == {
+        f.name: getattr(grpo, f.name) for f in dataclasses.fields(GRPOConfig)
+    }
+    assert (ex.replay_ratio, ex.question_selection, ex.replay_mu) == (0.25, "uniform", 0.5)  # the rest: defaults
+
+
+def test_from_grpo_config_takes_exgrpo_fields_only(tmp_path):
+    grpo = GRPOConfig(**config_kwargs(tmp_path))
+    with pytest.raises(TypeError) as info:
+        ExGRPOConfig.from_grpo_config(grpo, learning_rate=1.0, replay_ratio=0.5)
+    assert str(info.value) == (
+        "from_grpo_config takes ExGRPO's own fields only, got learning_rate; set GRPOConfig fields on the GRPOConfig "
+        "itself."
+    )
+    with pytest.raises(TypeError, match="from_grpo_config needs a GRPOConfig, got dict"):
+        ExGRPOConfig.from_grpo_config({})
+    with pytest.raises(ValueError, match=r"replay_ratio must be in \[0, 1\]"):  # ExGRPO's validation still runs
+        ExGRPOConfig.from_grpo_config(grpo, replay_ratio=2.0)
+
+
+def test_converted_config_trains_like_the_original(tmp_path, tokenizer):
+    """Two optimizer steps per generation batch, set through steps_per_generation: with replay off, ExGRPOTrainer on
+    the converted config ends with GRPOTrainer's parameters on the original, bitwise."""
+    grpo_args = GRPOConfig(
+        **config_kwargs(tmp_path, max_steps=2, per_device_train_batch_size=16, steps_per_generation=2)
+    )
+    dataset, reward = synthetic_dataset(), make_reward(tokenizer)
+    grpo = GRPOTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=reward,
+        args=grpo_args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    grpo.train()
+    ex = ExGRPOTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=reward,
+        args=ExGRPOConfig.from_grpo_config(grpo_args, replay_ratio=0.0),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    assert (ex.args.generation_batch_size, ex.args.steps_per_generation) == (32, 2)
+    ex.train()
+    for (name, p), (_, q) in zip(grpo.model.named_parameters(), ex.model.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("where", ["train_dataset", "eval_dataset", "eval_dataset['math']"])
+def test_dataset_without_prompt_column_is_named_at_init(tmp_path, tokenizer, where):
+    no_prompt = Dataset.from_dict({"question": ["1+1="], "answer": ["2"]})
+    kwargs = {"train_dataset": synthetic_dataset()}
+    if where == "train_dataset":
+        kwargs["train_dataset"] = no_prompt
+    elif where == "eval_dataset":
+        kwargs["eval_dataset"] = no_prompt
+    else:
+        kwargs["eval_dataset"] = {"math": no_prompt, "other": synthetic_dataset()}
+    with pytest.raises(ValueError) as info:
+        ExGRPOTrainer(
+            model=make_model(tokenizer),
+            reward_funcs=make_reward(tokenizer),
+            args=ExGRPOConfig(**config_kwargs(tmp_path)),
+            processing_class=tokenizer,
+            **kwargs,
+        )
+    assert str(info.value) == (
+        f"{where} has no 'prompt' column (its columns: 'question', 'answer'); GRPOTrainer and ExGRPOTrainer read each "
+        "question from 'prompt': rename the question column, e.g. `dataset.rename_column('question', 'prompt')`."
+    )
