@@ -58,6 +58,34 @@ class GenerationBatch:
     rewards: torch.Tensor | None = None  # (N_global, F): every rank's rewards, gathered (`_calculate_rewards`)
 
 
+def threshold_mismatch(
+    rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, solved: torch.Tensor, threshold: float, k: int
+) -> str | None:
+    """A warning when `success_reward_threshold` cannot tell rollouts apart in this batch, else None.
+
+    Rewards that vary within a group while every rollout counts as solved (a reward such as 1 + 4 * correct with the
+    default threshold 1.0), or while none does (correct answers scoring below the threshold), mean the threshold does
+    not sit between a wrong and a right answer: success counts are all K/K (or all 0), Pass@1 is wrong, and the
+    buffer stays empty. Totals as `replay.batch_outcome` computes them (NaN rewards count as 0)."""
+    total = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1).view(-1, k)
+    if not bool((total.amax(dim=1) > total.amin(dim=1)).any()):
+        return None  # no group tells rollouts apart: nothing to judge the threshold by
+    low, high = total.min().item(), total.max().item()
+    if bool(solved.all()):
+        what = "every rollout of this batch counts as solved"
+        effect = "batch Pass@1 reads 1.0, every question is retired and the experience buffer stays empty"
+    elif not bool(solved.any()):
+        what = "no rollout of this batch counts as solved"
+        effect = "nothing is stored in the experience buffer and the delayed start cannot be reached"
+    else:
+        return None
+    return (
+        f"ExGRPO: {what} (weighted total reward >= success_reward_threshold={threshold:g}), yet rewards vary within "
+        f"groups (from {low:g} to {high:g}): {effect}. Set success_reward_threshold to the weighted total reward of a "
+        f"correct answer (here perhaps {high:g})."
+    )
+
+
 def _check_prompt_column(dataset, name: str) -> None:
     """GRPOTrainer reads each row's 'prompt' only at the first step, where a missing column is a bare KeyError."""
     columns = getattr(dataset, "column_names", None)  # None: no dataset, or one that does not know its columns
@@ -188,6 +216,7 @@ class ExGRPOTrainer(GRPOTrainer):
         self._exgrpo_pending: PendingCollection | None = None  # its outcome, until committed to the buffer
         self._exgrpo_captured: list[torch.Tensor] | None = None  # open while `_exgrpo_capture_logps` is
         self._exgrpo_sampler: SkipRetiredSampler | None = None
+        self._exgrpo_threshold_warned = False  # `_exgrpo_check_threshold` speaks once per run
         # The plan of the last training generation batch (None: nothing replayed), for callbacks and studies.
         self.last_replay_plan: ReplayPlan | None = None
 
@@ -372,6 +401,7 @@ class ExGRPOTrainer(GRPOTrainer):
         """Everything that follows TRL's scoring of one generation batch (step 4 of the class docstring)."""
         cfg: ExGRPOConfig = self.args
         outcome = batch_outcome(batch.rewards, self.reward_weights, cfg.success_reward_threshold, self.num_generations)
+        self._exgrpo_check_threshold(batch.rewards, outcome)
         collecting = self.exgrpo_state["replay_active"]  # the state this batch was generated under
         spg = self.args.steps_per_generation
         self._exgrpo_pending = collect(
@@ -393,6 +423,18 @@ class ExGRPOTrainer(GRPOTrainer):
             )
         self._exgrpo_check_delayed_start(outcome)
         self._exgrpo_log_batch_metrics(batch, outcome, collecting)
+
+    def _exgrpo_check_threshold(self, rewards: torch.Tensor, outcome: BatchOutcome) -> None:
+        """Warn once per run when the success threshold does not separate this batch's rollouts (`threshold_mismatch`).
+        Every rank holds the same gathered rewards; the main process speaks."""
+        if self._exgrpo_threshold_warned or not self.accelerator.is_main_process:
+            return
+        message = threshold_mismatch(
+            rewards, self.reward_weights, outcome.solved, self.args.success_reward_threshold, self.num_generations
+        )
+        if message is not None:
+            logger.warning(message)
+            self._exgrpo_threshold_warned = True
 
     def _exgrpo_add_row_keys(self, output: dict[str, Any], batch: GenerationBatch, pending: PendingCollection) -> None:
         """Per-row keys for the loss; TRL's shuffle and split of the batch carry them along with every row."""

@@ -1,0 +1,75 @@
+"""Settings that used to train wrongly without a word (issue 16): a success threshold that does not separate right
+from wrong rollouts, and ExGRPO settings changed between a checkpoint and its resume."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
+from exgrpo_trl.trainer import threshold_mismatch
+
+from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
+
+ALL_SOLVED = (
+    "ExGRPO: every rollout of this batch counts as solved (weighted total reward >= success_reward_threshold=1), yet "
+    "rewards vary within groups (from 1 to 5): batch Pass@1 reads 1.0, every question is retired and the experience "
+    "buffer stays empty. Set success_reward_threshold to the weighted total reward of a correct answer (here perhaps "
+    "5)."
+)
+NONE_SOLVED = (
+    "ExGRPO: no rollout of this batch counts as solved (weighted total reward >= success_reward_threshold=1), yet "
+    "rewards vary within groups (from 0 to 0.5): nothing is stored in the experience buffer and the delayed start "
+    "cannot be reached. Set success_reward_threshold to the weighted total reward of a correct answer (here perhaps "
+    "0.5)."
+)
+
+
+def _check(rewards, threshold=1.0, weights=(1.0,), k=4):
+    rewards = torch.tensor(rewards, dtype=torch.float32).reshape(-1, len(weights))
+    weights = torch.tensor(weights)
+    solved = (rewards * weights).nansum(dim=1) >= threshold
+    return threshold_mismatch(rewards, weights, solved, threshold, k)
+
+
+def test_threshold_mismatch_cases():
+    assert _check([1, 5, 5, 1, 1, 1, 1, 1]) == ALL_SOLVED  # 1 + 4 * correct with the default threshold
+    assert _check([0, 0.5, 0, 0, 0.5, 0.5, 0.5, 0.5]) == NONE_SOLVED  # a correct answer scores 0.5
+    # two reward functions, weighted: totals 0 / 0.5
+    assert _check([[0, 0], [1, 0], [0, 0], [0, 0]], weights=(0.5, 1.0)) == NONE_SOLVED
+    assert _check([0, 1, 1, 0, 1, 1, 1, 1]) is None  # binary reward: the threshold separates them
+    assert _check([0, 0, 0, 0, 0, 0, 0, 0]) is None  # nothing solved, nothing varies: a hard batch, no mistake seen
+    assert _check([1, 1, 1, 1, 5, 5, 5, 5]) is None  # every group uniform: no group tells rollouts apart
+    assert _check([0, 0.2, 1, 1, 0, 0, 0, 0]) is None  # some solved, some not
+
+
+def _trainer(tmp_path, tokenizer, reward, **overrides):
+    return ExGRPOTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=reward,
+        args=ExGRPOConfig(**config_kwargs(tmp_path, max_steps=2, replay_start_pass_rate=0.0, **overrides)),
+        train_dataset=synthetic_dataset(always_every=1000),
+        processing_class=tokenizer,
+    )
+
+
+def test_always_solved_reward_warns_once(tmp_path, tokenizer, caplog):
+    binary = make_reward(tokenizer)
+
+    def one_plus_four_correct(completion_ids, always, **kwargs):
+        return [1.0 + 4.0 * r for r in binary(completion_ids, always)]
+
+    trainer = _trainer(tmp_path, tokenizer, one_plus_four_correct)
+    with caplog.at_level(logging.WARNING):
+        trainer.train()
+    warnings = [r.getMessage() for r in caplog.records if "success_reward_threshold" in r.getMessage()]
+    assert warnings == [ALL_SOLVED]  # two batches of the kind, one warning
+    assert trainer.experience_buffer.num_questions == 0 and trainer.experience_buffer.retired  # what it warns of
+
+    caplog.clear()
+    fixed = _trainer(tmp_path, tokenizer, one_plus_four_correct, success_reward_threshold=5.0)
+    with caplog.at_level(logging.WARNING):
+        fixed.train()
+    assert not [r for r in caplog.records if "success_reward_threshold" in r.getMessage()]
+    assert fixed.experience_buffer.num_questions > 0
