@@ -21,6 +21,8 @@ import numpy as np
 # log-prob -1, far below the step-to-step drift the weight measures.
 IDS_DTYPE = np.int32
 LOGPS_DTYPE = np.float16
+# The buffer's settings that a resumed run takes from its own config (`ExperienceBuffer.restore`).
+SAMPLING_SETTINGS = ("mu", "sigma", "question_selection")
 
 
 def question_key(prompt: Any) -> str:
@@ -324,7 +326,11 @@ class ExperienceBuffer:
 
     def restore(self, meta: dict[str, Any], trajectories: Sequence[Trajectory]) -> None:
         """Replace the buffer's content with `meta` (as `state_meta` returns it) and the trajectories in saved order.
-        The buffer takes the trajectories as they are (no copy). Raises ValueError if they do not fit together."""
+        The buffer takes the trajectories as they are (no copy). Raises ValueError if they do not fit together.
+
+        Restored: questions, buckets, trajectories, the retired set and the generator's state (and the seed it came
+        from). Kept: the sampling settings the buffer was built with (mu, sigma, question_selection), i.e. a resumed
+        run's config, not the saved one; `config_changes` lists where the two differ."""
         self._check_config(meta)
         counts = [q["num_trajectories"] for q in meta["questions"]]
         if sum(counts) != len(trajectories):
@@ -332,9 +338,7 @@ class ExperienceBuffer:
         bad = [q["k"] for q in meta["questions"] if q["k"] not in self._buckets]
         if bad:
             raise ValueError(f"saved buckets {sorted(set(bad))} are outside 1..{self.num_generations - 1}")
-        config = meta["config"]
-        self.mu, self.sigma = config["mu"], config["sigma"]
-        self.question_selection, self.seed = config["question_selection"], config["seed"]
+        self.seed = meta["config"]["seed"]  # the generator continues from the saved state: it comes from that seed
         self.rng.bit_generator.state = meta["rng_state"]
         self.questions.clear()
         for members in self._buckets.values():
@@ -352,6 +356,14 @@ class ExperienceBuffer:
             self._buckets[q["k"]][q["key"]] = None
         self.retired.clear()
         self.retired.update(meta["retired"])
+
+    def config_changes(self, saved_config: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """The sampling settings that differ between a saved state's config and this buffer: name -> (saved, now)."""
+        return {
+            name: (saved_config.get(name), getattr(self, name))
+            for name in SAMPLING_SETTINGS
+            if saved_config.get(name) != getattr(self, name)
+        }
 
     def _check_config(self, meta: dict[str, Any]) -> None:
         saved = meta["config"]["num_generations"]

@@ -455,14 +455,19 @@ def read_arrays(directory: str | os.PathLike, meta: dict[str, Any]) -> dict[str,
 
 
 def load_state(
-    directory: str | os.PathLike, buffer: ExperienceBuffer | None, *, with_trajectories: bool = True
+    directory: str | os.PathLike,
+    buffer: ExperienceBuffer | None,
+    *,
+    with_trajectories: bool = True,
+    meta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Restore `buffer` from `directory/exgrpo_state` and return the saved trainer state.
 
     With `with_trajectories=False` (processes that hold no trajectories) only state.json is read and `buffer`, if
-    given, gets the retired set alone.
+    given, gets the retired set alone. `meta`: state.json as `read_meta` already returned it (not read again).
     """
-    meta = read_meta(directory)
+    if meta is None:
+        meta = read_meta(directory)
     if buffer is not None:
         if with_trajectories:
             trajectories = read_trajectories(directory, meta)

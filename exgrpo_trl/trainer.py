@@ -36,7 +36,7 @@ from .replay import (
     select_lowest,
 )
 from .scoring import masked_mean_per_row, pad_prompt_completion
-from .state import has_state, load_state, save_state
+from .state import has_state, load_state, read_meta, save_state
 
 logger = logging.get_logger(__name__)
 
@@ -545,8 +545,27 @@ class ExGRPOTrainer(GRPOTrainer):
                 "empty experience buffer and the delayed-start switch from the config."
             )
             return
+        meta = read_meta(checkpoint)
+        saved_k = meta["buffer"]["config"]["num_generations"]
+        if saved_k != self.num_generations:  # success buckets 1..K-1 and retirement at K/K depend on it
+            raise ValueError(
+                f"{checkpoint} was trained with num_generations={saved_k}, this run uses {self.num_generations}: its "
+                f"experience buffer's success counts do not carry over. Resume with num_generations={saved_k}, or "
+                "start a fresh run in another output_dir."
+            )
+        # The run's config wins over the saved sampling settings (the buffer keeps those it was built with).
+        changes = self.experience_buffer.config_changes(meta["buffer"]["config"])
+        if changes and self.accelerator.is_main_process:
+            names = {"mu": "replay_mu", "sigma": "replay_sigma"}
+            what = ", ".join(f"{names.get(n, n)} {old!r} -> {new!r}" for n, (old, new) in changes.items())
+            logger.warning(
+                f"ExGRPO: {checkpoint} was saved with other replay settings; this run's config is used ({what}). "
+                "The buffer's questions, trajectories and random state are restored as saved."
+            )
         # Only the main process holds trajectories; the others need the retired set (for the sampler).
-        saved = load_state(checkpoint, self.experience_buffer, with_trajectories=self.accelerator.is_main_process)
+        saved = load_state(
+            checkpoint, self.experience_buffer, with_trajectories=self.accelerator.is_main_process, meta=meta
+        )
         self.exgrpo_state.update({k: v for k, v in saved.items() if k != "sampler_passes"})
         if self._exgrpo_sampler is not None:
             self._exgrpo_sampler.resume_passes = [frozenset(p) for p in saved.get("sampler_passes", [])]

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
+from exgrpo_trl.buffer import ExperienceBuffer
+from exgrpo_trl.state import load_state
 from exgrpo_trl.trainer import threshold_mismatch
 
 from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
@@ -73,3 +76,92 @@ def test_always_solved_reward_warns_once(tmp_path, tokenizer, caplog):
         fixed.train()
     assert not [r for r in caplog.records if "success_reward_threshold" in r.getMessage()]
     assert fixed.experience_buffer.num_questions > 0
+
+
+def _saved_run(tmp_path, tokenizer, **overrides):
+    kwargs = config_kwargs(
+        tmp_path, max_steps=2, save_strategy="steps", save_steps=2, replay_start_pass_rate=0.0, **overrides
+    )
+    trainer = ExGRPOTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=make_reward(tokenizer),
+        args=ExGRPOConfig(**kwargs),
+        train_dataset=synthetic_dataset(),
+        processing_class=tokenizer,
+    )
+    trainer.train()
+    return trainer, kwargs
+
+
+def test_resume_with_other_replay_settings_uses_the_config(tmp_path, tokenizer, caplog):
+    """The buffer's contents and random state come from the checkpoint, its settings from the run's config (they used
+    to be silently replaced by the saved ones while the model card reported the new ones), with one line saying so."""
+    saved, kwargs = _saved_run(tmp_path, tokenizer)
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    assert saved.experience_buffer.num_questions > 0
+    changed = dict(question_selection="uniform", replay_mu=0.25, replay_sigma=2.0)
+    resumed = ExGRPOTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=make_reward(tokenizer),
+        args=ExGRPOConfig(**{**kwargs, **changed, "max_steps": 3}),
+        train_dataset=synthetic_dataset(),
+        processing_class=tokenizer,
+    )
+    restored = []  # the buffer as the resume left it, before training goes on
+    load = resumed._load_optimizer_and_scheduler
+    resumed._load_optimizer_and_scheduler = lambda c: (
+        load(c),
+        restored.append(resumed.experience_buffer.state_meta()),
+    )
+    with caplog.at_level(logging.WARNING):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    buffer = resumed.experience_buffer
+    assert (buffer.question_selection, buffer.mu, buffer.sigma) == ("uniform", 0.25, 2.0)
+    as_saved = ExperienceBuffer(8)
+    load_state(checkpoint, as_saved)
+    expected_meta = as_saved.state_meta()
+    (meta,) = restored
+    assert meta["config"] == {**expected_meta["config"], "question_selection": "uniform", "mu": 0.25, "sigma": 2.0}
+    assert {k: v for k, v in meta.items() if k != "config"} == {
+        k: v for k, v in expected_meta.items() if k != "config"
+    }
+    lines = [r.getMessage() for r in caplog.records if "other replay settings" in r.getMessage()]
+    assert lines == [
+        f"ExGRPO: {checkpoint} was saved with other replay settings; this run's config is used "
+        "(replay_mu 0.5 -> 0.25, replay_sigma 1.0 -> 2.0, question_selection 'gaussian' -> 'uniform'). The buffer's "
+        "questions, trajectories and random state are restored as saved."
+    ]
+    resumed.create_model_card()
+    assert "| question selection | uniform (mu 0.25, sigma 2.0) |" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_resume_with_the_same_settings_says_nothing(tmp_path, tokenizer, caplog):
+    _, kwargs = _saved_run(tmp_path, tokenizer)
+    resumed = ExGRPOTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=make_reward(tokenizer),
+        args=ExGRPOConfig(**kwargs),
+        train_dataset=synthetic_dataset(),
+        processing_class=tokenizer,
+    )
+    with caplog.at_level(logging.WARNING):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert not [r for r in caplog.records if "other replay settings" in r.getMessage()]
+
+
+def test_resume_with_other_num_generations_fails_clearly(tmp_path, tokenizer):
+    _, kwargs = _saved_run(tmp_path, tokenizer)
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    resumed = ExGRPOTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=make_reward(tokenizer),
+        args=ExGRPOConfig(**{**kwargs, "num_generations": 4}),
+        train_dataset=synthetic_dataset(),
+        processing_class=tokenizer,
+    )
+    with pytest.raises(ValueError) as info:
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert str(info.value) == (
+        f"{checkpoint} was trained with num_generations=8, this run uses 4: its experience buffer's success counts do "
+        "not carry over. Resume with num_generations=8, or start a fresh run in another output_dir."
+    )
