@@ -305,27 +305,39 @@ def test_supervised_batch_with_countdown_examples():
 
 # ---------------------------------------------------------------- warm start
 def test_warm_start_cache_hit(tmp_path, monkeypatch):
-    kw = dict(steps=3, seed=1, batch_size=8, hidden_size=64, num_heads=1, num_layers=1, intermediate_size=64)
-    assert not countdown.countdown_warm_start_is_cached(tmp_path, **kw)
-    model, tok = countdown.countdown_warm_start(tmp_path, progress=False, **kw)
-    assert countdown.countdown_warm_start_is_cached(tmp_path, **kw)
+    kw = dict(seed=1, batch_size=8, hidden_size=64, num_heads=1, num_layers=1, intermediate_size=64)
+    assert not countdown.countdown_warm_start_is_cached(tmp_path, 3, **kw)
+    model, tok = countdown.countdown_warm_start(tmp_path, 3, progress=False, **kw)
+    assert countdown.countdown_warm_start_is_cached(tmp_path, 3, **kw)
     entries = list(tmp_path.iterdir())
     assert len(entries) == 1 and entries[0].name.startswith("warm-start-countdown-v1-3steps-seed1-")
     assert len(tok) == 22 and model.config.vocab_size == 22
     # the same settings without the task are an addition entry, another key
-    assert not toy.warm_start_is_cached(tmp_path, **kw)
+    assert not toy.warm_start_is_cached(tmp_path, steps=3, **kw)
 
     def boom(*args, **kwargs):
         raise AssertionError("warm start trained again on a cache hit")
 
     monkeypatch.setattr(toy, "warm_start", boom)
-    again, tok2 = countdown.countdown_warm_start(tmp_path, progress=False, **kw)
+    again, tok2 = countdown.countdown_warm_start(tmp_path, 3, progress=False, **kw)
     assert again.warm_start_path == model.warm_start_path
     sd, sd2 = model.state_dict(), again.state_dict()
     assert all(torch.equal(sd[k], sd2[k]) for k in sd)
     assert tok2("2,3,7:13=2*3+7")["input_ids"] == tok("2,3,7:13=2*3+7")["input_ids"]
     with pytest.raises(AssertionError, match="trained again"):
-        countdown.countdown_warm_start(tmp_path, progress=False, **{**kw, "steps": 4})
+        countdown.countdown_warm_start(tmp_path, 4, progress=False, **kw)
+
+
+def test_named_starts(monkeypatch):
+    calls = []
+    monkeypatch.setattr(countdown, "load_or_train_warm_start", lambda cache_dir, **kw: calls.append(kw))
+    countdown.countdown_warm_start("d", "weak")
+    countdown.countdown_warm_start("d", hidden_size=64)
+    assert [c["steps"] for c in calls] == [200, 2000]  # the calibrated steps; "medium" is the default
+    assert calls[0]["task"] is countdown.COUNTDOWN_TASK and calls[0]["seed"] == 0
+    assert (calls[0]["num_heads"], calls[0]["hidden_size"], calls[1]["hidden_size"]) == (4, 128, 64)
+    with pytest.raises(KeyError):
+        countdown.countdown_warm_start("d", "strong")
 
 
 # ---------------------------------------------------------------- evaluation
@@ -377,3 +389,14 @@ def test_evaluate_countdown_aggregates_exactly():
     # questions with 2..7 correct of 4: the first three (2, 3 and 3 distinct); with 2..3 correct: the first two
     assert distinct_correct(ds, res["completions"]) == (pytest.approx(8 / 3, abs=1e-12), 3)
     assert distinct_correct(ds, res["completions"], max_correct=3) == (2.5, 2)
+
+
+def test_calibration_cli_prints_one_json_line_per_start(tmp_path, capsys):
+    import json
+
+    args = ["--cache-dir", str(tmp_path), "--steps", "1", "2", "--eval-questions", "4", "--samples", "2"]
+    assert countdown.main([*args, "--no-progress"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["steps"] for line in lines] == [1, 2]
+    assert set(lines[0]) >= {"pass_at_1", "by_difficulty", "by_operands", "warm_start_s", "distinct_correct_2_7"}
+    assert len(list(tmp_path.iterdir())) == 2
