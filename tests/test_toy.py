@@ -242,7 +242,7 @@ def test_warm_start_cache_hit(tmp_path, monkeypatch):
     model, tok = load_or_train_warm_start(tmp_path, **kw)
     assert toy.warm_start_is_cached(tmp_path, **cache_kw)
     assert not toy.warm_start_is_cached(tmp_path, **{**cache_kw, "seed": 2})
-    entries = [p for p in tmp_path.iterdir()]
+    entries = list(tmp_path.iterdir())
     assert len(entries) == 1 and (entries[0] / "warm_start.json").is_file()  # no temp folder left
 
     def boom(*args, **kwargs):
@@ -314,9 +314,10 @@ def test_evaluate_pass_at_1_real_model_seeded(tokenizer):
     assert len(a["per_question"]) == 12
     assert all(p in (0.0, 0.25, 0.5, 0.75, 1.0) for p in a["per_question"])
     assert 0.0 <= a["overall"] <= 1.0 and set(a["by_digits"]) == set(ds["digits"])
-    assert a["per_question"] == evaluate_pass_at_1(model, tokenizer, ds, samples=4, seed=3, progress=False)[
-        "per_question"
-    ]
+    assert (
+        a["per_question"]
+        == evaluate_pass_at_1(model, tokenizer, ds, samples=4, seed=3, progress=False)["per_question"]
+    )
     assert not model.training
 
 
