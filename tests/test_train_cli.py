@@ -43,15 +43,32 @@ def test_load_tokenizer_honours_the_saved_class(toy_dir):
     assert type(AutoTokenizer.from_pretrained(str(toy_dir))) is not PreTrainedTokenizerFast
 
 
+def _minimal_checkpoint(path: Path, step: int) -> None:
+    """The files a plain (GRPO) checkpoint needs to count as complete, tiny."""
+    import numpy as np
+    import torch
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True)
+    save_file({"w": np.zeros(1, dtype=np.float32)}, str(path / "model.safetensors"))
+    torch.save({}, path / "optimizer.pt")
+    torch.save({}, path / "scheduler.pt")
+    (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+
+
 def test_resolve_checkpoint(tmp_path):
     out = tmp_path / "out"
     _, args, _ = parse_args(["--config", str(TINY), "--output_dir", str(out)])
     assert resolve_checkpoint(args) is None  # no output_dir yet
     for step in (5, 12, 9):
-        (out / f"checkpoint-{step}").mkdir(parents=True)
+        _minimal_checkpoint(out / f"checkpoint-{step}", step)
     assert resolve_checkpoint(args) == str(out / "checkpoint-12")  # the last by step, not by name
-    _, args, _ = parse_args(["--config", str(TINY), "--output_dir", str(out), "--resume_from_checkpoint", "elsewhere"])
-    assert resolve_checkpoint(args) == "elsewhere"
+    (out / "checkpoint-100").mkdir()  # an interrupted save: skipped (tests/test_resume_after_crash.py)
+    assert resolve_checkpoint(args) == str(out / "checkpoint-12")
+    _, args, _ = parse_args(
+        ["--config", str(TINY), "--output_dir", str(out), "--resume_from_checkpoint", str(out / "checkpoint-5")]
+    )
+    assert resolve_checkpoint(args) == str(out / "checkpoint-5")
 
 
 def test_model_init_kwargs_from_model_config():

@@ -3,31 +3,31 @@
     exgrpo train --config recipes/qwen7b.yaml
     accelerate launch --config_file recipes/accelerate/zero3.yaml -m exgrpo_trl.cli.train --config recipes/qwen7b.yaml
 
-The recipe is parsed by TRL's `TrlParser` over (`ScriptArguments`, `ExGRPOConfig`, `ModelConfig`): every key of
-the YAML must be a field of one of the three (an unknown key is an error), and command-line flags override the
-YAML (``--learning_rate 2e-6``). Training resumes from the last ``checkpoint-*`` in ``output_dir`` when there is
-one; PEFT/LoRA and quantization come from `ModelConfig` (``use_peft: true``, ``lora_r``, ...). At the end the model
-(or the LoRA adapter) and a model card are saved to ``output_dir`` and pushed to the Hub when ``push_to_hub`` is set:
-the full model, the adapter alone, or with ``merge_adapter_on_push: true`` the adapter merged into its base model.
+The recipe is parsed by TRL's `TrlParser` over (`ScriptArguments`, `ExGRPOConfig`, `ModelConfig`): every key of the
+YAML must be a field of one of the three (an unknown key is an error), and command-line flags override the YAML
+(``--learning_rate 2e-6``). Training resumes from the newest complete ``checkpoint-*`` in ``output_dir`` when there
+is one (see `resolve_checkpoint`); PEFT/LoRA and quantization come from `ModelConfig` (``use_peft: true``,
+``lora_r``, ...). At the end the model (or the LoRA adapter) and a model card are saved to ``output_dir`` and pushed
+to the Hub when ``push_to_hub`` is set: the full model, the adapter alone, or with ``merge_adapter_on_push: true``
+the adapter merged into its base model.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
 import transformers
-from transformers.trainer_utils import get_last_checkpoint
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 from trl import ScriptArguments as TrlScriptArguments
 
 from ..config import ExGRPOConfig
 from ..tasks.math_data import filter_long_prompts, load_math_dataset
 from ..tasks.rewards import REWARD_FUNCS, get_reward_funcs
+from ..utils.checkpoints import checkpoint_problems, find_resumable_checkpoint
 from ..utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -131,14 +131,47 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, ExGRPOCo
     return script_args, training_args, model_args
 
 
+_TRUE = ("true", "yes", "1")
+_FALSE = ("false", "no", "0")
+
+
 def resolve_checkpoint(training_args: ExGRPOConfig) -> str | None:
-    """The checkpoint to resume from: ``resume_from_checkpoint`` when set, else the last ``checkpoint-*`` in
-    ``output_dir`` (None for a fresh run)."""
-    if training_args.resume_from_checkpoint:
-        return training_args.resume_from_checkpoint
-    if os.path.isdir(training_args.output_dir):
-        return get_last_checkpoint(training_args.output_dir)
-    return None
+    """The checkpoint to resume from (None: a fresh run), from ``resume_from_checkpoint``:
+
+    - unset: the newest COMPLETE ``checkpoint-N`` in ``output_dir`` (`utils.checkpoints`), if any; newer incomplete
+      ones (a save interrupted by a crash) are skipped with a warning each, saying why;
+    - true (``true``, ``yes``, ``1``; YAML's ``true``): the same, but finding none is an error;
+    - false (``false``, ``no``, ``0``): a fresh run, even if ``output_dir`` holds checkpoints;
+    - a path: that checkpoint, which must be complete (an error says what it lacks).
+    """
+    value = training_args.resume_from_checkpoint
+    text = str(value).strip().lower() if value is not None else ""
+    requirements = dict(
+        need_optimizer=not training_args.save_only_model,
+        adaptive_entropy=bool(getattr(training_args, "use_adaptive_entropy", False)),
+    )
+    if text in _FALSE:
+        return None
+    if text and text not in _TRUE:
+        problems = checkpoint_problems(value, **requirements)
+        if problems:
+            raise ValueError(
+                f"Cannot resume from {value}: {'; '.join(problems)}. Give a complete checkpoint, or leave "
+                "resume_from_checkpoint unset to resume from the newest complete one in output_dir."
+            )
+        return str(value)
+    checkpoint, skipped = find_resumable_checkpoint(training_args.output_dir, **requirements)
+    for path, why in skipped:
+        logger.warning("Skipping %s: incomplete (%s), a save that was interrupted?", path, why)
+    if checkpoint is None and text in _TRUE:
+        raise ValueError(
+            f"resume_from_checkpoint is {value} but {training_args.output_dir} holds no complete checkpoint"
+            + (f" ({len(skipped)} incomplete, skipped)" if skipped else "")
+            + "; leave it unset to start a fresh run when there is none."
+        )
+    if checkpoint is None and skipped:
+        logger.warning("No complete checkpoint in %s: training starts from step 0.", training_args.output_dir)
+    return checkpoint
 
 
 def model_init_kwargs(model_args: ModelConfig, training_args: ExGRPOConfig) -> dict:

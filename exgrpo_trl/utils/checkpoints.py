@@ -1,0 +1,169 @@
+"""Which checkpoint a run resumes from: the newest COMPLETE one.
+
+A process killed while it writes a checkpoint leaves the newest ``checkpoint-N`` folder incomplete. What is there
+depends on the moment, because a checkpoint is written in this order:
+
+1. ``exgrpo_state/`` (ExGRPOTrainer, under a temporary name ``.exgrpo_state.tmp-PID`` renamed into place);
+2. the model weights (``model.safetensors``, or shards and their index, or a LoRA adapter);
+3. ``optimizer.pt``, ``scheduler.pt`` (or DeepSpeed's ``global_step*/``), the RNG states;
+4. ``trainer_state.json``; with TRL's ``use_adaptive_entropy``, ``entropy_ctrl_state.json`` after it.
+
+`checkpoint_problems` tells a complete checkpoint from an incomplete one by checking each of these is present and
+readable, cheaply (headers and JSON, not the weights): a checkpoint is complete when it has model weights, an
+optimizer and scheduler (unless the run saves the model only), a ``trainer_state.json`` that parses, and an ExGRPO
+state that state.py's readers accept. A checkpoint without ``exgrpo_state/`` and without a leftover temporary one
+was written by plain GRPO: it counts as complete, and the trainer warns on resume that the experience buffer starts
+empty. A leftover ``.exgrpo_state.tmp-PID`` is never read: it only tells that the ExGRPO state was never finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from pathlib import Path
+
+from safetensors import safe_open
+
+from ..state import STATE_DIRNAME, StateFileError, read_meta, read_small_arrays
+
+TRAINER_STATE_NAME = "trainer_state.json"
+ENTROPY_STATE_NAME = "entropy_ctrl_state.json"  # TRL's adaptive entropy coefficient
+OPTIMIZER_NAMES = ("optimizer.pt", "optimizer.bin")
+SCHEDULER_NAME = "scheduler.pt"
+WEIGHT_NAMES = ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "adapter_model.bin")
+INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+STATE_TMP_PREFIX = f".{STATE_DIRNAME}.tmp-"  # state.save_state's temporary folder
+CHECKPOINT_PREFIX = "checkpoint-"
+
+
+def _unreadable_file(path: Path) -> str | None:
+    """Why a weights or optimizer file cannot be loaded (its header or archive directory), or None."""
+    try:
+        if path.stat().st_size == 0:
+            return "empty"
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), "np"):  # reads and checks the header against the file's size
+                pass
+        elif not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a cut one has no central directory
+            return "truncated or not a torch file"
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types; any of them means unreadable
+        return f"truncated or corrupted ({e})"
+    return None
+
+
+def _model_problem(path: Path, names: set[str], deepspeed: bool) -> str | None:
+    for name in WEIGHT_NAMES:
+        if name in names:
+            why = _unreadable_file(path / name)
+            return f"{name} is {why}" if why else None
+    for name in INDEX_NAMES:
+        if name in names:
+            try:
+                shards = set(json.loads((path / name).read_text())["weight_map"].values())
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                return f"{name} is truncated or corrupted ({e})"
+            missing = sorted(shards - names)
+            return f"shard {missing[0]} of {name} is missing" if missing else None
+    subfolders = [n for n in names if (path / n).is_dir()]
+    # a LoRA run with several adapters saves each in its own folder; FSDP and DeepSpeed save the model in theirs
+    if any((path / n / w).is_file() for n in subfolders for w in WEIGHT_NAMES[2:]):
+        return None
+    if deepspeed or any("pytorch_model_fsdp" in n for n in names):
+        return None
+    return "no model weights (model.safetensors, pytorch_model.bin, a sharded index or an adapter)"
+
+
+def _optimizer_problems(path: Path, names: set[str], deepspeed: bool) -> list[str]:
+    if deepspeed:  # DeepSpeed keeps optimizer and scheduler in global_step*/ and loads them itself
+        return []
+    problems = []
+    present = [n for n in OPTIMIZER_NAMES if n in names]
+    if present:
+        why = _unreadable_file(path / present[0])
+        if why:
+            problems.append(f"{present[0]} is {why}")
+    elif not any("optimizer" in n and (path / n).is_dir() for n in names):  # FSDP's sharded optimizer folder
+        problems.append(f"no {OPTIMIZER_NAMES[0]}")
+    if SCHEDULER_NAME not in names:
+        problems.append(f"no {SCHEDULER_NAME}")
+    return problems
+
+
+def _json_problem(path: Path, names: set[str], name: str, key: str | None = None) -> str | None:
+    if name not in names:
+        return f"no {name}"
+    try:
+        content = json.loads((path / name).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return f"{name} is truncated or corrupted ({e})"
+    if not isinstance(content, dict) or (key is not None and not isinstance(content.get(key), int)):
+        return f"{name} has no {key}" if key else f"{name} is not a JSON object"
+    return None
+
+
+def _trainer_state_problem(path: Path, names: set[str]) -> str | None:
+    return _json_problem(path, names, TRAINER_STATE_NAME, "global_step")
+
+
+def _exgrpo_state_problem(path: Path, names: set[str]) -> str | None:
+    if STATE_DIRNAME in names:
+        try:
+            meta = read_meta(path)
+            read_small_arrays(path, meta, ("lengths", "steps"))  # checks the arrays file's header against state.json
+        except StateFileError as e:
+            return f"unreadable ExGRPO state ({e})"
+        return None
+    leftovers = sorted(n for n in names if n.startswith(STATE_TMP_PREFIX))
+    if leftovers:
+        return f"an unfinished ExGRPO state ({leftovers[0]}) and no {STATE_DIRNAME}/"
+    return None  # plain GRPO: complete here, the trainer warns on resume
+
+
+def checkpoint_problems(
+    path: str | os.PathLike, *, need_optimizer: bool = True, adaptive_entropy: bool = False
+) -> list[str]:
+    """Why `path` cannot be resumed from, one short phrase per problem, in the order the checkpoint is written
+    (empty: complete). `need_optimizer=False` for runs that save the model only (``save_only_model``);
+    `adaptive_entropy` for runs with TRL's ``use_adaptive_entropy`` (its coefficient is saved after the rest)."""
+    path = Path(path)
+    if not path.is_dir():
+        return ["not a folder"]
+    names = set(os.listdir(path))
+    deepspeed = any(n.startswith("global_step") and (path / n).is_dir() for n in names)
+    problems = [_exgrpo_state_problem(path, names), _model_problem(path, names, deepspeed)]
+    if need_optimizer:
+        problems += _optimizer_problems(path, names, deepspeed)
+    problems.append(_trainer_state_problem(path, names))
+    if adaptive_entropy:
+        problems.append(_json_problem(path, names, ENTROPY_STATE_NAME))
+    return [p for p in problems if p]
+
+
+def checkpoint_step(name: str) -> int | None:
+    """N for a folder named ``checkpoint-N``, else None."""
+    if not name.startswith(CHECKPOINT_PREFIX) or not name[len(CHECKPOINT_PREFIX) :].isdigit():
+        return None
+    return int(name[len(CHECKPOINT_PREFIX) :])
+
+
+def find_resumable_checkpoint(
+    output_dir: str | os.PathLike, **requirements
+) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest complete ``checkpoint-N`` in `output_dir` (None if there is none), and the newer ones passed over,
+    each with why: ``(path, "no trainer_state.json; no optimizer.pt")``. `requirements`: `checkpoint_problems`'s."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return None, []
+    steps = {}
+    for name in os.listdir(output_dir):
+        step = checkpoint_step(name)
+        if step is not None and (output_dir / name).is_dir():
+            steps[step] = str(output_dir / name)
+    skipped = []
+    for step in sorted(steps, reverse=True):
+        problems = checkpoint_problems(steps[step], **requirements)
+        if not problems:
+            return steps[step], skipped
+        skipped.append((steps[step], "; ".join(problems)))
+    return None, skipped
