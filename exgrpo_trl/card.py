@@ -62,3 +62,23 @@ def add_section(card_text: str, section: str) -> str:
     if anchor == -1:
         return card_text.rstrip("\n") + "\n\n" + section
     return card_text[: anchor + 1] + section + "\n" + card_text[anchor + 1 :]
+
+
+# TRL's card template (trl/templates/lm_model_card.md, TRL 1.16) writes these for a base model it did not find on the
+# Hub (a local folder: it passes None) and for a model that is not pushed (no hub_model_id).
+NO_HUB_BASE = "[None](https://huggingface.co/None)"
+NO_HUB_MODEL = 'model="None"'
+DATASET_SENTENCE_END = ".\nIt has been trained using [TRL]"
+
+
+def fix_local_references(card_text: str, *, base_model: str | None, local_dataset: str | None, output_dir: str) -> str:
+    """Replace what TRL's template writes for local things by what is true: the local base model named as a path,
+    not linked to huggingface.co/None; the local dataset (TRL was given none, so that it links no Hub dataset) named
+    as a path; the usage snippet's ``model="None"`` by the output folder, which `pipeline` loads."""
+    base = f"a local model (`{base_model}`)" if base_model else "a local model"
+    card_text = card_text.replace(NO_HUB_BASE, base, 1)
+    if local_dataset:
+        card_text = card_text.replace(
+            DATASET_SENTENCE_END, f" on the local dataset `{local_dataset}`{DATASET_SENTENCE_END}", 1
+        )
+    return card_text.replace(NO_HUB_MODEL, f'model="{output_dir}"')

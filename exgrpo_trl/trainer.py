@@ -18,7 +18,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
 from .buffer import ExperienceBuffer
-from .card import add_section, exgrpo_card_section
+from .card import add_section, exgrpo_card_section, fix_local_references
 from .config import ExGRPOConfig
 from .loss import PPO_CLIPPED_LOSS_TYPES, SUPPORTED_LOSS_TYPES, aggregate_token_loss, shaped_replay_token_loss
 from .replay import (
@@ -523,7 +523,11 @@ class ExGRPOTrainer(GRPOTrainer):
         super()._save_checkpoint(model, trial)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        # A local dataset is not a Hub dataset: TRL would link it (and list it in the card's metadata) as one.
+        local_dataset = dataset_name if dataset_name and os.path.exists(dataset_name) else None
+        super().create_model_card(
+            model_name=model_name, dataset_name=None if local_dataset else dataset_name, tags=tags
+        )
         path = os.path.join(self.args.output_dir, "README.md")
         if not self.is_world_process_zero() or not os.path.isfile(path):
             return
@@ -532,6 +536,12 @@ class ExGRPOTrainer(GRPOTrainer):
         )
         with open(path, encoding="utf-8") as f:
             card = f.read()
+        card = fix_local_references(
+            card,
+            base_model=getattr(getattr(self.model, "config", None), "_name_or_path", None) or None,
+            local_dataset=local_dataset,
+            output_dir=self.args.output_dir,
+        )
         with open(path, "w", encoding="utf-8") as f:
             f.write(add_section(card, section))
 

@@ -183,3 +183,60 @@ def test_add_section_inserts_before_citations_and_replaces():
     second = add_section(first, f"{SECTION_TITLE}\n\nnew\n")
     assert second.count(SECTION_TITLE) == 1 and "old" not in second and "new\n\n## Citations" in second
     assert add_section("# Card\n\nno citations\n", "S\n") == "# Card\n\nno citations\n\nS\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Local base model and dataset, model not pushed: no links to huggingface.co/None or to a path as a Hub dataset
+# ---------------------------------------------------------------------------------------------------------------
+def _card_for(tmp_path, tokenizer, model, dataset_name):
+    trainer = ExGRPOTrainer(
+        model=model,
+        reward_funcs=make_reward(tokenizer),
+        args=ExGRPOConfig(**config_kwargs(tmp_path)),
+        train_dataset=synthetic_dataset(),
+        processing_class=tokenizer,
+    )
+    trainer.create_model_card(model_name="tiny", dataset_name=dataset_name)
+    return trainer, (tmp_path / "out" / "README.md").read_text()
+
+
+def test_card_of_a_local_model_and_dataset_links_nothing_that_is_not_there(tmp_path, tokenizer):
+    model_dir, data = tmp_path / "model", tmp_path / "train.jsonl"
+    make_model(tokenizer).save_pretrained(model_dir)
+    synthetic_dataset().to_json(str(data))
+    trainer, text = _card_for(tmp_path, tokenizer, str(model_dir), str(data))
+    assert "huggingface.co/None" not in text and 'model="None"' not in text
+    assert "huggingface.co/datasets" not in text
+    assert (
+        f"This model is a fine-tuned version of a local model (`{model_dir}`) on the local dataset `{data}`.\n"
+        "It has been trained using [TRL]"
+    ) in text
+    output_dir = trainer.args.output_dir
+    assert f'generator = pipeline("text-generation", model="{output_dir}", device_map="auto")' in text
+    card = ModelCard(text)
+    assert card.data.base_model is None and card.data.datasets is None  # no Hub ids that are not Hub ids
+
+
+def test_card_of_hub_names_keeps_the_links(tmp_path, tokenizer):
+    model = make_model(tokenizer)
+    model.config._name_or_path = "Qwen/Qwen2.5-Math-1.5B"  # as loaded from the Hub
+    _, text = _card_for(tmp_path, tokenizer, model, "open-r1/OpenR1-Math-46k")
+    assert (
+        "This model is a fine-tuned version of [Qwen/Qwen2.5-Math-1.5B](https://huggingface.co/Qwen/Qwen2.5-Math-1.5B)"
+        " on the [open-r1/OpenR1-Math-46k](https://huggingface.co/datasets/open-r1/OpenR1-Math-46k) dataset."
+    ) in text
+    assert ModelCard(text).data.datasets == "open-r1/OpenR1-Math-46k"
+
+
+def test_fix_local_references_on_trls_template():
+    from trl.trainer.utils import generate_model_card
+
+    from exgrpo_trl.card import fix_local_references
+
+    card = generate_model_card(
+        base_model=None, model_name="m", hub_model_id=None, dataset_name=None, tags=[], wandb_url=None,
+        trackio_url=None, trainer_name="ExGRPO",
+    )  # fmt: skip
+    text = fix_local_references(str(card), base_model=None, local_dataset="d.jsonl", output_dir="out")
+    assert "This model is a fine-tuned version of a local model on the local dataset `d.jsonl`.\n" in text
+    assert 'model="out"' in text and "None" not in text.split("---", 2)[2].split("## Citations")[0]
