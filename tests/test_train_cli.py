@@ -193,6 +193,13 @@ def test_tiny_cpu_recipe_trains_evaluates_and_resumes(toy_dir, tmp_path):
     assert json.loads((out / "config.json").read_text())["use_cache"] is True
     # the saved tokenizer is still the char tokenizer
     assert len(load_tokenizer(str(out))) == 16
+    # the end of the run says where everything went
+    assert first.stdout.splitlines()[-4:] == [
+        "exgrpo train: done at step 2.",
+        f"  model and tokenizer: {out}",
+        f"  model card: {out / 'README.md'}",
+        f"  checkpoints: {out / 'checkpoint-1'}, {out / 'checkpoint-2'}",
+    ]
 
     # Same output_dir, more steps: picks up checkpoint-2 by itself and trains only step 3
     # (python -m exgrpo_trl.cli.train)
@@ -204,3 +211,109 @@ def test_tiny_cpu_recipe_trains_evaluates_and_resumes(toy_dir, tmp_path):
     assert [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2, 3]
     # only one step's metrics were printed by the second run
     assert (second.stdout + second.stderr).count("'step_time'") == 1
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Help and errors (issue 16): the help leads with what a user of `exgrpo train` needs, errors are one line
+# ---------------------------------------------------------------------------------------------------------------
+def test_help_leads_with_usage_config_and_exgrpo_options(capsys, monkeypatch):
+    from dataclasses import fields
+
+    from trl import GRPOConfig
+
+    from exgrpo_trl import ExGRPOConfig
+    from exgrpo_trl.cli import main
+
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main(["train", "--help"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == ["usage: exgrpo train --config RECIPE.yaml [--FIELD VALUE ...] [--debug] [--help-all]", ""]
+    assert lines.index("this command:") < 10
+    assert "  --config RECIPE.yaml  the recipe (YAML)" in lines[:15]
+    exgrpo_group = lines.index("ExGRPO (ExGRPOConfig; defaults from the paper):")
+    assert exgrpo_group < 20 and lines[exgrpo_group + 1].startswith("  --replay_ratio REPLAY_RATIO")
+    own = {f.name for f in fields(ExGRPOConfig)} - {f.name for f in fields(GRPOConfig)}
+    listed = {line.split()[0][2:] for line in lines if line.startswith("  --")}
+    assert own <= listed and {"model_name_or_path", "dataset_name", "output_dir", "learning_rate"} <= listed
+    assert "per_device_eval_batch_size" not in listed  # TRL's and transformers' options are behind --help-all
+    assert len(lines) < 250  # was 1,518
+
+    assert main(["train", "--help-all"]) == 0
+    every = capsys.readouterr().out.splitlines()
+    assert every[0] == "usage: exgrpo train --config RECIPE.yaml [--FIELD VALUE ...] [--debug] [--help-all]"
+    assert any(line.startswith("  --per_device_eval_batch_size") for line in every) and len(every) > 1000
+
+
+def _bad_recipe(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(TINY.read_text() + "\nreplay_ration: 0.5\n")
+    return bad
+
+
+@pytest.mark.parametrize(
+    "argv, code, message",
+    [
+        (["--config", "recipes/nope.yaml"], 2, "--config recipes/nope.yaml: no such file"),
+        (["--config"], 2, "--config needs the recipe's path: --config RECIPE.yaml"),
+        (
+            ["--config", str(TINY), "--learning_rte", "1e-4"],
+            2,
+            "unknown option --learning_rte (did you mean --learning_rate?)",
+        ),
+        (
+            ["--config", str(TINY), "--max_steps", "abc"],
+            2,
+            "argument --max_steps/--max-steps: invalid int value: 'abc'",
+        ),
+        (
+            ["--config", str(TINY), "--replay_ratio", "2"],
+            1,
+            "replay_ratio must be in [0, 1], got 2.0. (--debug shows the traceback)",
+        ),
+        (["--config", "BAD"], 2, "unknown key replay_ration in BAD (did you mean replay_ratio?)"),
+        (
+            ["--config", str(TINY), "--model_name_or_path", "/nowhere/tiny", "--dataset_name", "/nowhere/t.jsonl"],
+            1,
+            "model_name_or_path /nowhere/tiny is a local path that does not exist (/nowhere/tiny); create it first "
+            "(a recipe's header says how), or give a Hub id (org/name). (--debug shows the traceback)",
+        ),
+    ],
+    ids=["missing-recipe", "config-without-path", "misspelled-flag", "bad-int", "bad-value", "bad-key", "no-model"],
+)
+def test_errors_are_one_line(tmp_path, capsys, argv, code, message):
+    from exgrpo_trl.cli import main
+
+    bad = str(_bad_recipe(tmp_path))
+    argv = [bad if a == "BAD" else a for a in argv]
+    assert main(["train", *argv]) == code
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "exgrpo train: error: " + message.replace("BAD", bad)
+    assert "Traceback" not in err and "usage:" not in err
+
+
+def test_debug_shows_the_traceback(monkeypatch):
+    from exgrpo_trl.cli import main
+
+    with pytest.raises(ValueError, match=r"replay_ratio must be in \[0, 1\]"):
+        main(["train", "--config", str(TINY), "--replay_ratio", "2", "--debug"])
+    monkeypatch.setenv("EXGRPO_DEBUG", "1")
+    with pytest.raises(ValueError, match=r"replay_ratio must be in \[0, 1\]"):
+        main(["train", "--config", str(TINY), "--replay_ratio", "2"])
+
+
+def test_where_it_went(tmp_path):
+    from exgrpo_trl.cli.train import where_it_went
+
+    for name in ("checkpoint-10", "checkpoint-9", "checkpoint-x"):
+        (tmp_path / name).mkdir()
+    assert where_it_went(str(tmp_path), 10, adapter=True).splitlines() == [
+        "exgrpo train: done at step 10.",
+        f"  LoRA adapter and tokenizer: {tmp_path}",
+        f"  model card: {tmp_path / 'README.md'}",
+        f"  checkpoints: {tmp_path / 'checkpoint-9'}, {tmp_path / 'checkpoint-10'}",
+    ]
+    assert where_it_went(str(tmp_path / "none"), 0, adapter=False).splitlines()[1:] == [
+        f"  model and tokenizer: {tmp_path / 'none'}",
+        f"  model card: {tmp_path / 'none' / 'README.md'}",
+        "  checkpoints: none kept",
+    ]

@@ -14,20 +14,24 @@ the adapter merged into its base model.
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import logging
+import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import datasets
 import transformers
-from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
+from trl import GRPOConfig, ModelConfig, TrlParser, get_peft_config, get_quantization_config
 from trl import ScriptArguments as TrlScriptArguments
 
 from ..config import ExGRPOConfig
+from ..state import StateFileError
 from ..tasks.math_data import filter_long_prompts, load_math_dataset
 from ..tasks.rewards import REWARD_FUNCS, get_reward_funcs
-from ..utils.checkpoints import checkpoint_problems, find_resumable_checkpoint
+from ..utils.checkpoints import checkpoint_problems, checkpoint_step, find_resumable_checkpoint
 from ..utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -121,14 +125,129 @@ class ScriptArguments(TrlScriptArguments):
     )
 
 
+USAGE = "exgrpo train --config RECIPE.yaml [--FIELD VALUE ...] [--debug] [--help-all]"
+DESCRIPTION = (
+    "Train with ExGRPO from a YAML recipe (recipes/*.yaml). Every key of the recipe is one of the options listed "
+    "here or by --help-all, and an option on the command line overrides the recipe (--learning_rate 2e-6). Training "
+    "resumes from the newest complete checkpoint in output_dir."
+)
+# The options of a run most often set on the command line, listed by --help beside ExGRPO's own.
+COMMON_OPTIONS = (
+    "model_name_or_path",
+    "dataset_name",
+    "reward_funcs",
+    "output_dir",
+    "max_steps",
+    "learning_rate",
+    "num_generations",
+    "per_device_train_batch_size",
+    "generation_batch_size",
+    "max_completion_length",
+    "loss_type",
+    "save_steps",
+    "resume_from_checkpoint",
+    "use_peft",
+    "push_to_hub",
+)
+
+
+class UsageError(ValueError):
+    """A mistake on the command line or in the recipe (an unknown option, a bad value, a missing file)."""
+
+
+class _Parser(TrlParser):
+    def error(self, message):  # argparse prints its whole usage (230 lines here) before the message, then exits
+        raise UsageError(message)
+
+
 def build_parser() -> TrlParser:
-    return TrlParser((ScriptArguments, ExGRPOConfig, ModelConfig))
+    return _Parser(
+        (ScriptArguments, ExGRPOConfig, ModelConfig),
+        prog="exgrpo train",
+        usage=USAGE,
+        description=DESCRIPTION + " --config RECIPE.yaml: the recipe; --debug: show the traceback of an error.",
+    )
+
+
+def short_help() -> str:
+    """`exgrpo train --help`: usage, this command's own flags, ExGRPO's options and the common ones of a run.
+    `--help-all` prints the parser's own help, every TRL and transformers option included."""
+    actions = {}
+    for action in build_parser()._actions:  # the first of a dest: --flag, not the --no_flag HF adds for bools
+        actions.setdefault(action.dest, action)
+    grpo_fields = {f.name for f in fields(GRPOConfig)}
+    exgrpo_fields = [f.name for f in fields(ExGRPOConfig) if f.name not in grpo_fields]
+    parser = argparse.ArgumentParser(
+        prog="exgrpo train",
+        usage=USAGE,
+        description=DESCRIPTION,
+        add_help=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    own = parser.add_argument_group("this command")
+    own.add_argument("--config", metavar="RECIPE.yaml", default=argparse.SUPPRESS, help="the recipe (YAML)")
+    own.add_argument(
+        "--debug",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="on an error, show its traceback (also EXGRPO_DEBUG=1)",
+    )
+    own.add_argument("-h", "--help", action="store_true", default=argparse.SUPPRESS, help="this help")
+    own.add_argument(
+        "--help-all",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="every option, TRL's GRPOConfig and ModelConfig and transformers' TrainingArguments included",
+    )
+    exgrpo = parser.add_argument_group("ExGRPO (ExGRPOConfig; defaults from the paper)")
+    for name in exgrpo_fields:
+        exgrpo._add_action(actions[name])
+    common = parser.add_argument_group("the run (the most used options; --help-all lists every one)")
+    for name in COMMON_OPTIONS:
+        common._add_action(actions[name])
+    return parser.format_help()
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, ExGRPOConfig, ModelConfig]:
-    """Parse ``--config RECIPE.yaml`` plus command-line overrides (`sys.argv[1:]` when `argv` is None)."""
-    script_args, training_args, model_args = build_parser().parse_args_and_config(args=argv)
+    """Parse ``--config RECIPE.yaml`` plus command-line overrides (`sys.argv[1:]` when `argv` is None). A missing
+    recipe, an unknown key or option (with the nearest known one) and a value of the wrong type are UsageErrors."""
+    import yaml
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    recipe = None
+    if "--config" in argv:
+        position = argv.index("--config")
+        if position + 1 == len(argv):
+            raise UsageError("--config needs the recipe's path: --config RECIPE.yaml")
+        recipe = argv[position + 1]
+        if not os.path.isfile(recipe):
+            raise UsageError(f"--config {recipe}: no such file")
+    parser = build_parser()
+    try:
+        *parsed, from_recipe, from_command_line = parser.parse_args_and_config(
+            args=argv, return_remaining_strings=True, separate_remaining_strings=True
+        )
+    except yaml.YAMLError as e:
+        raise UsageError(f"--config {recipe} is not valid YAML ({' '.join(str(e).split())})") from e
+    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    for where, unknown in ((f"in {recipe}", from_recipe), ("", from_command_line)):
+        names = [item for item in unknown if item.startswith("--")] or unknown
+        if names:
+            raise UsageError(f"unknown {'key' if where else 'option'} {_with_suggestion(names[0], known, where)}")
+    script_args, training_args, model_args = parsed
     return script_args, training_args, model_args
+
+
+def _with_suggestion(name: str, known: list[str], where: str) -> str:
+    """'--learning_rte (did you mean --learning_rate?)'; recipe keys are named without the dashes."""
+    close = difflib.get_close_matches(name, known, n=1)
+    if where:
+        name = name.lstrip("-")
+        close = [c.lstrip("-") for c in close]
+        text = f"{name} {where}"
+    else:
+        text = name
+    return f"{text} (did you mean {close[0]}?)" if close else f"{text} (exgrpo train --help lists the options)"
 
 
 _TRUE = ("true", "yes", "1")
@@ -172,6 +291,36 @@ def resolve_checkpoint(training_args: ExGRPOConfig) -> str | None:
     if checkpoint is None and skipped:
         logger.warning("No complete checkpoint in %s: training starts from step 0.", training_args.output_dir)
     return checkpoint
+
+
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow", ".txt")
+
+
+def looks_like_local_path(name: str) -> bool:
+    """Whether a model or dataset name can only mean a local path: it starts like one (``/``, ``./``, ``../``,
+    ``~``), has more than one ``/`` (a Hub id is ``name`` or ``org/name``), ends like a data file, or its first folder
+    exists here."""
+    if name.startswith(("/", "./", "../", "~")) or "\\" in name:
+        return True
+    if name.count("/") > 1 or name.lower().endswith(DATA_SUFFIXES):
+        return True
+    return "/" in name and os.path.isdir(name.split("/")[0])
+
+
+def _check_local_paths(script_args: ScriptArguments, model_args: ModelConfig) -> None:
+    """A local path that does not exist fails here, in one line: transformers and datasets would take it for a Hub id
+    and retry the Hub for a minute before a connection error."""
+    for what, name in (
+        ("model_name_or_path", model_args.model_name_or_path),
+        ("tokenizer_name_or_path", script_args.tokenizer_name_or_path),
+        ("dataset_name", script_args.dataset_name),
+        ("eval_dataset_name", script_args.eval_dataset_name),
+    ):
+        if name and looks_like_local_path(name) and not os.path.exists(os.path.expanduser(name)):
+            raise FileNotFoundError(
+                f"{what} {name} is a local path that does not exist ({Path(name).expanduser().resolve()}); create "
+                "it first (a recipe's header says how), or give a Hub id (org/name)."
+            )
 
 
 def model_init_kwargs(model_args: ModelConfig, training_args: ExGRPOConfig) -> dict:
@@ -250,6 +399,7 @@ def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args:
         raise ValueError(
             "dataset_streaming is not supported: ExGRPO re-reads questions by index (replay, retirement)."
         )
+    _check_local_paths(script_args, model_args)
     _setup_logging(training_args)
     transformers.set_seed(training_args.seed)
 
@@ -327,18 +477,62 @@ def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args:
         if not is_peft_trainer(trainer):
             trainer.model.config.save_pretrained(training_args.output_dir)
 
+    pushed = None
     if training_args.push_to_hub:
         what = "the full model"
         if model_args.use_peft:
             what = "the LoRA adapter merged into its base" if script_args.merge_adapter_on_push else "the LoRA adapter"
         logger.info("Pushing %s to the Hub", what)
-        push_trained_model(trainer, merge_adapter=script_args.merge_adapter_on_push, **card_kwargs)
+        pushed = push_trained_model(trainer, merge_adapter=script_args.merge_adapter_on_push, **card_kwargs)
+    if trainer.accelerator.is_main_process:
+        print(where_it_went(training_args.output_dir, trainer.state.global_step, is_peft_trainer(trainer), pushed))
     return 0
+
+
+def where_it_went(output_dir: str, global_step: int, adapter: bool, pushed=None) -> str:
+    """The end-of-run summary: where the model, its card and the checkpoints are (and the Hub repo, if pushed)."""
+    out = Path(output_dir).resolve()
+    checkpoints = sorted(
+        (p.name for p in out.glob("checkpoint-*") if checkpoint_step(p.name) is not None), key=checkpoint_step
+    )
+    lines = [
+        f"exgrpo train: done at step {global_step}.",
+        f"  {'LoRA adapter' if adapter else 'model'} and tokenizer: {out}",
+        f"  model card: {out / 'README.md'}",
+        f"  checkpoints: {', '.join(str(out / c) for c in checkpoints) if checkpoints else 'none kept'}",
+    ]
+    if pushed is not None:
+        lines.append(f"  pushed to: {getattr(pushed, 'repo_url', None) or pushed}")
+    return "\n".join(lines)
+
+
+# Errors reported in one line (the traceback with --debug): what a user can act on, from the recipe, the command line,
+# the files and the checkpoint. Anything else (a bug) keeps its traceback.
+REPORTED_ERRORS = (ValueError, TypeError, OSError, ImportError, NotImplementedError, StateFileError)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``exgrpo train ARGS`` and ``python -m exgrpo_trl.cli.train ARGS``."""
-    return train(*parse_args(argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("EXGRPO_DEBUG", "") not in ("", "0")
+    argv = [arg for arg in argv if arg != "--debug"]
+    if "--help-all" in argv:
+        print(build_parser().format_help())
+        return 0
+    if "-h" in argv or "--help" in argv:
+        print(short_help())
+        return 0
+    try:
+        return train(*parse_args(argv))
+    except REPORTED_ERRORS as e:
+        if debug:
+            raise
+        message = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the message's own layout
+        if isinstance(e, UsageError):
+            print(f"exgrpo train: error: {message}", file=sys.stderr)
+            return 2
+        print(f"exgrpo train: error: {message} (--debug shows the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
