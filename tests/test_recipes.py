@@ -291,11 +291,13 @@ def test_tiny_cpu_recipe_settings():
     assert args.report_to == []  # "none"
     assert script_args.reward_funcs == ["toy_addition"]
     assert model_args.dtype == "float32"
-    assert "python -m exgrpo_trl.tasks.toy --out outputs/tiny-toy" in " ".join(
-        header(ROOT / "recipes" / "tiny_cpu.yaml")
+    # the 4-head model and 1,500-step warm start whose pass@1 is above the delayed start (0.35): replay starts
+    assert "python -m exgrpo_trl.tasks.toy --out outputs/tiny-toy --num-heads 4 --warm-start-steps 1500" in header(
+        ROOT / "recipes" / "tiny_cpu.yaml"
     )
-    assert model_args.model_name_or_path == "outputs/tiny-toy"
-    assert script_args.dataset_name == "outputs/tiny-toy/train.jsonl"
+    assert args.replay_start_pass_rate == 0.35
+    assert model_args.model_name_or_path == "./outputs/tiny-toy"  # path-looking: a missing one fails fast
+    assert script_args.dataset_name == "./outputs/tiny-toy/train.jsonl"
 
 
 # ---------------------------------------------------------------------------------------------------------------
