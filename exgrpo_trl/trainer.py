@@ -86,6 +86,27 @@ def threshold_mismatch(
     )
 
 
+def replay_never_fires(cfg: ExGRPOConfig) -> str | None:
+    """A warning when the generation batch is too small for `replay_ratio` to replay a single group, else None.
+
+    With TRL's default batch shape (8 rows, K = 8: one question per generation batch) n_exp = floor(rho * 1) = 0 at
+    every step: nothing is ever replayed, and ExGRPOTrainer trains GRPO with retirement."""
+    if not cfg.replay_ratio:
+        return None
+    groups = cfg.generation_batch_size // cfg.num_generations  # questions per generation batch, all ranks together
+    if replay_count(groups, cfg.replay_ratio, groups) > 0:
+        return None
+    needed = math.ceil(1.0 / cfg.replay_ratio - 1e-9)
+    return (
+        f"ExGRPO: replay_ratio={cfg.replay_ratio:g} will never replay anything: a generation batch of "
+        f"{cfg.generation_batch_size} rows holds {groups} question(s) of num_generations={cfg.num_generations} "
+        f"rollouts, and floor({cfg.replay_ratio:g} x {groups}) = 0 of them come from the buffer. Give a generation "
+        f"batch at least {needed} questions (generation_batch_size >= {needed * cfg.num_generations}, or more "
+        "steps_per_generation, gradient_accumulation_steps or per_device_train_batch_size), or raise replay_ratio; "
+        "replay_ratio=0 trains GRPO."
+    )
+
+
 def _check_prompt_column(dataset, name: str) -> None:
     """GRPOTrainer reads each row's 'prompt' only at the first step, where a missing column is a bare KeyError."""
     columns = getattr(dataset, "column_names", None)  # None: no dataset, or one that does not know its columns
@@ -141,6 +162,9 @@ class ExGRPOTrainer(GRPOTrainer):
       restored on every rank on resume.
     - `create_model_card`: `super()` writes TRL's card (ExGRPO's name, tags and citation come from the class
       attributes); an ExGRPO section with the main settings and the final buffer is added to it.
+
+    A generation batch too small for `replay_ratio` to replay one question (floor(rho x questions) = 0, as with TRL's
+    default 8 rows and K = 8) would never replay: `replay_never_fires` says so at init.
 
     Not supported yet (rejected at init): tools, `environment_factory`, `rollout_func`, image inputs. Replayed
     tokens are not affected by `top_entropy_quantile`, `off_policy_mask_threshold` or sequence-level importance
@@ -198,6 +222,9 @@ class ExGRPOTrainer(GRPOTrainer):
         if self.loss_type not in SUPPORTED_LOSS_TYPES:
             raise ValueError(f"ExGRPOTrainer supports loss_type in {SUPPORTED_LOSS_TYPES}, got {self.loss_type!r}")
         cfg: ExGRPOConfig = self.args
+        never = replay_never_fires(cfg)
+        if never is not None:
+            logger.warning(never)
         if cfg.remove_clip_after_replay_start and self.loss_type not in PPO_CLIPPED_LOSS_TYPES:
             raise ValueError(
                 f"remove_clip_after_replay_start removes the PPO clip of loss_type in {PPO_CLIPPED_LOSS_TYPES}; "
