@@ -1,24 +1,26 @@
-"""The whole `exgrpo demo` at 2 steps per run: table, results.json and figure.png with the expected fields."""
+"""`exgrpo demo`: one seed of the study, GRPO and ExGRPO side by side. The comparison's arithmetic and wording on
+hand-made runs (it must say which arm ended higher, whichever it is), then the whole demo at 2 steps per run."""
 
 from __future__ import annotations
 
+import copy
 import json
 import re
+from pathlib import Path
 
 import pytest
 
-from exgrpo_trl.cli import demo
+from exgrpo_trl.cli import demo, study
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def test_resolve_defaults_quick_and_overrides():
-    s = demo._resolve(demo.build_parser().parse_args([]))
-    assert (s["steps"], s["warm_start_steps"], s["eval_questions"], s["eval_samples"]) == (300, 1500, 200, 16)
-    assert s["out"] == "runs/demo" and s["cache_dir"] == ".cache/exgrpo-demo"
-    q = demo._resolve(demo.build_parser().parse_args(["--quick", "--steps", "3", "--seed", "5"]))
-    assert (q["steps"], q["warm_start_steps"], q["eval_questions"], q["seed"]) == (3, 5, 8, 5)
-    assert q["replay_ratio"] is None and q["replay_start_pass_rate"] is None  # ExGRPOConfig's defaults apply
+def test_defaults_are_the_studied_setting():
+    args = demo.build_parser().parse_args([])
+    assert (args.task, args.seed, args.jobs, str(args.out)) == (demo.DEFAULT_TASK, 0, 2, "runs/demo")
+    assert demo.DEFAULT_TASK in study.TASKS and str(args.cache_dir) == study.DEFAULT_CACHE
+    with pytest.raises(SystemExit):
+        demo.build_parser().parse_args(["--task", "nope"])
 
 
 def test_cli_dispatches_demo(capsys):
@@ -27,97 +29,118 @@ def test_cli_dispatches_demo(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["demo", "--help"])
     assert exc.value.code == 0
-    assert "--warm-start-steps" in capsys.readouterr().out
+    assert "--task" in capsys.readouterr().out
 
 
-def test_moving_average():
-    assert demo.moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+def _record(arm, rollouts, curve, by_difficulty, replayed):
+    return {
+        "task": "countdown-weak", "arm": arm, "seed": 0, "seconds": 12.0,
+        "curve": {"step": list(range(len(curve))), "rollouts": rollouts, "pass_at_1": curve,
+                  "by_difficulty": by_difficulty},
+        "steps": {"replayed": replayed, "buffer_questions": [3, 5], "retired": [1, 2]},
+        "replay_counts": {"questions_replayed": 5, "replays": sum(replayed), "max": 3, "histogram": {"1": 2, "3": 1}},
+        "probes": {},
+        "final": {"pass_at_1": curve[-1], "rollouts": rollouts[-1],
+                  "by_difficulty": {d: v[-1] for d, v in by_difficulty.items()}},
+    }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def demo_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("demo")
-    argv = [
-        "--out", str(out / "run"),
-        "--cache-dir", str(out / "cache"),
-        "--seed", "3",
-        "--steps", "2",
-        "--warm-start-steps", "5",
-        "--train-questions", "64",
-        "--eval-questions", "12",
-        "--eval-samples", "2",
-        "--no-progress",
-    ]  # fmt: skip
-    return out / "run", argv
+@pytest.fixture
+def records():
+    # GRPO: 16 groups x 8 rollouts = 128 per step. ExGRPO replays 0 then 8 groups, each generating K - 1 = 7:
+    # 128, then 128 - 8 = 120 -> 248 in all.
+    grpo = _record("grpo", [0, 128, 256], [0.1, 0.2, 0.3], {"2": [0.2, 0.3, 0.5], "3": [0.0, 0.1, 0.1]}, [0, 0])
+    ex = _record("exgrpo", [0, 128, 248], [0.1, 0.3, 0.28], {"2": [0.2, 0.5, 0.4], "3": [0.0, 0.1, 0.16]}, [0, 8])
+    return {"grpo": grpo, "exgrpo": ex}
 
 
-def test_two_step_demo_end_to_end(demo_run, capsys):
-    run_dir, argv = demo_run
+def test_comparison_arithmetic(records):
+    task = study.TASKS["countdown-weak"]
+    c = demo.compare(task, records)
+    # GRPO's final 0.3; ExGRPO's curve reaches 0.3 at step 1 after 128 rollouts: 128 / 256 = 50%; it ends at 0.28
+    assert c["grpo_final"] == 0.3 and c["difference"] == pytest.approx(-0.02, abs=1e-12)
+    assert c["exgrpo_reached_grpo_final"] == {"step": 1, "rollouts": 128, "share_of_grpo": 0.5}
+    assert c["warm_start"] == {"overall": 0.1, "by_difficulty": {"2": 0.2, "3": 0.0}}
+    # replay first fires at step 2 (the second entry); mean over steps 2.. of [8] = 8
+    assert c["replay"]["first_step"] == 2 and c["replay"]["replayed_per_step_after_start"] == 8
+    assert (c["replay"]["buffer_questions"], c["replay"]["retired"], c["replay"]["replays"]) == (5, 2, 8)
+    text = demo.report_text(task, records, c, None, seed=0)
+    assert "ExGRPO ends 0.020 lower than GRPO (0.280 against 0.300)" in text
+    assert "at step 1, after 128 generated rollouts: 50% of GRPO's 256" in text
+    assert "from step 2, 8.0 of 16 groups per step were replayed questions" in text
+    rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in text.splitlines()[2:6])}
+    assert rows == {
+        "needs 2 numbers": ["0.200", "0.500", "0.400"],
+        "needs 3 numbers": ["0.000", "0.100", "0.160"],
+        "overall": ["0.100", "0.300", "0.280"],
+        "generated rollouts": ["256", "248"],
+    }
+
+
+def test_comparison_says_which_arm_ended_higher(records):
+    task = study.TASKS["countdown-weak"]
+    higher = copy.deepcopy(records)
+    higher["exgrpo"]["curve"]["pass_at_1"][-1] = higher["exgrpo"]["final"]["pass_at_1"] = 0.35
+    assert "ExGRPO ends 0.050 higher than GRPO (0.350 against 0.300)" in demo.report_text(
+        task, higher, demo.compare(task, higher), None, seed=0
+    )
+    never = copy.deepcopy(records)
+    never["exgrpo"]["curve"]["pass_at_1"] = [0.1, 0.25, 0.29]
+    never["exgrpo"]["final"]["pass_at_1"] = 0.29
+    c = demo.compare(task, never)
+    assert c["exgrpo_reached_grpo_final"] is None
+    text = demo.report_text(task, never, c, None, seed=0)
+    assert "ExGRPO never reached GRPO's final held-out pass@1 (0.300); its best evaluation was 0.290." in text
+    level = copy.deepcopy(records)
+    level["exgrpo"]["final"]["pass_at_1"] = 0.3
+    assert "ExGRPO ends level with GRPO" in demo.report_text(task, level, demo.compare(task, level), None, seed=0)
+
+
+def test_study_context_places_the_seed(tmp_path, records):
+    # two GRPO seeds (finals 0.3, 0.4 -> median 0.35) and one ExGRPO seed (0.28, never reaching 0.35)
+    for arm, seed, final in (("grpo", 0, 0.3), ("grpo", 1, 0.4), ("exgrpo", 0, 0.28)):
+        r = copy.deepcopy(records[arm])
+        r["seed"], r["curve"]["pass_at_1"][-1], r["final"]["pass_at_1"] = seed, final, final
+        path = study.run_path(tmp_path, "countdown-weak", arm, seed)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(r))
+    context = demo._study_context(tmp_path, "countdown-weak")
+    assert context["arms"]["grpo"]["final"] == {"median": 0.35, "min": 0.3, "max": 0.4}
+    task = study.TASKS["countdown-weak"]
+    text = demo.report_text(task, records, demo.compare(task, records), context, seed=0)
+    assert "The study (2 GRPO and 1 ExGRPO seeds of countdown-weak)" in text
+    assert "GRPO 0.350 [0.300, 0.400], ExGRPO 0.280 [0.280, 0.280]" in text
+    assert "did not reach GRPO's final median on most seeds" in text
+    assert demo._study_context(tmp_path, "addition") is None
+
+
+def test_two_step_demo_end_to_end(tmp_path, capsys):
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    argv = ["--quick", "--out", str(out), "--cache-dir", str(cache), "--no-progress"]
     assert demo.main(argv) == 0
     printed = capsys.readouterr().out
-
-    # --- the table
-    header = next(line for line in printed.splitlines() if line.startswith("held-out pass@1"))
-    assert header.split()[2:] == ["warm", "start", "GRPO", "ExGRPO"]
-    rows = {}
-    for line in printed.splitlines():
-        m = re.match(r"^(1 digit|[234] digits|overall)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", line)
-        if m:
-            rows[m.group(1)] = [float(x) for x in m.group(2, 3, 4)]
-    assert set(rows) <= {"1 digit", "2 digits", "3 digits", "4 digits", "overall"} and "overall" in rows
-    assert "ExGRPO at the end: buffer" in printed and "retired questions" in printed and "replayed fraction" in printed
-    assert "warm start: trained" in printed
-
-    # --- results.json
-    results = json.loads((run_dir / "results.json").read_text())
-    assert {"settings", "timings", "pass_at_1", "exgrpo", "curves", "per_question_pass_rate", "figure"} <= set(results)
-    s = results["settings"]
-    assert (s["steps"], s["seed"], s["eval_questions"], s["eval_samples"], s["warm_start_steps"]) == (2, 3, 12, 2, 5)
-    assert s["model_parameters"] == 1_053_312 and s["warm_start_cached"] is False
-    assert s["trainer_settings"]["per_device_train_batch_size"] == 16 * 8
-    assert s["exgrpo_settings"]["replay_ratio"] == 0.5 and s["exgrpo_settings"]["policy_shaping_gamma"] == 0.1
-    for kind in ("warm_start", "grpo", "exgrpo"):
-        e = results["pass_at_1"][kind]
-        assert 0.0 <= e["overall"] <= 1.0
-        assert set(e["by_digits"]) <= {"1", "2", "3", "4"} and e["by_digits"]
-        # the printed table carries the same numbers, rounded to 3 decimals
-        col = ("warm_start", "grpo", "exgrpo").index(kind)
-        assert rows["overall"][col] == pytest.approx(e["overall"], abs=5e-4)
-        for d, v in e["by_digits"].items():
-            label = f"{d} digit" + ("s" if d != "1" else "")
-            assert rows[label][col] == pytest.approx(v, abs=5e-4)
-    pq = results["per_question_pass_rate"]
-    assert len(pq["prompt"]) == len(pq["digits"]) == len(pq["grpo"]) == len(pq["exgrpo"]) == 12
-    # the samples are 0/2, 1/2 or 2/2 and overall is their mean
-    assert all(p in (0.0, 0.5, 1.0) for p in pq["warm_start"])
-    assert results["pass_at_1"]["warm_start"]["overall"] == pytest.approx(sum(pq["warm_start"]) / 12, abs=1e-12)
-
-    ex = results["exgrpo"]
-    for key in ("buffer_questions", "buffer_trajectories", "retired", "replayed_fraction", "replay_start_step"):
-        assert key in ex
-    assert set(ex["bucket_counts"]) == {str(k) for k in range(1, 8)}
-    assert sum(ex["bucket_counts"].values()) == ex["buffer_questions"]
-    assert 0.0 <= ex["replayed_fraction"] <= 1.0
-
-    for kind in ("grpo", "exgrpo"):
-        c = results["curves"][kind]
-        assert c["step"] == [1, 2] and len(c["reward"]) == 2
-    c = results["curves"]["exgrpo"]
-    assert len(c["buffer_questions"]) == len(c["retired"]) == len(c["buffer_trajectories"]) == 2
-    # a 5-step warm start solves almost nothing, so the delayed start (pass@1 > 0.35) never fires and ExGRPO
-    # must train exactly like GRPO: same warm start, same seed, same data order, same hyperparameters.
-    assert ex["replay_start_step"] is None and ex["buffer_questions"] == 0
-    assert results["curves"]["grpo"]["reward"] == c["reward"]
-    assert pq["grpo"] == pq["exgrpo"]
-
-    t = results["timings"]
-    assert {"warm_start_s", "grpo_train_s", "exgrpo_train_s", "eval_s", "total_s"} <= set(t)
-    assert t["total_s"] >= t["grpo_train_s"] + t["exgrpo_train_s"]
-
-    # --- figure.png
-    png = run_dir / results["figure"]
-    data = png.read_bytes()
-    assert data[:8] == PNG_SIGNATURE
+    results = json.loads((out / "results.json").read_text())
+    assert {"task", "seed", "settings", "comparison", "study", "runs", "figure", "seconds"} <= set(results)
+    assert results["task"] == demo.DEFAULT_TASK and results["study"] is None  # --quick: not the studied setting
+    assert results["settings"]["steps"] == 2 and results["settings"]["eval_questions"] == 8
+    records = {arm: json.loads(Path(path).read_text()) for arm, path in results["runs"].items()}
+    assert records["grpo"]["settings"]["trainer"] == "GRPOTrainer"
+    assert records["exgrpo"]["settings"]["trainer"] == "ExGRPOTrainer"
+    c = results["comparison"]
+    # the printed table carries the records' numbers, rounded to 3 decimals
+    overall = next(line for line in printed.splitlines() if line.startswith("overall")).split()[1:]
+    want = [records["grpo"]["curve"]["pass_at_1"][0], records["grpo"]["final"]["pass_at_1"],
+            records["exgrpo"]["final"]["pass_at_1"]]  # fmt: skip
+    assert [float(x) for x in overall] == pytest.approx(want, abs=5e-4)
+    assert c["final"]["grpo"]["rollouts"] == 256  # 2 steps x 16 questions x 8 rollouts
+    assert re.search(r"This seed \(0\): ExGRPO ends (level with|[\d.]+ (higher|lower) than) GRPO", printed)
+    # a 5-step warm start solves nothing, so nothing enters the buffer, ExGRPO replays nothing and trains exactly
+    # like GRPO: same warm start, seed, data order and hyperparameters
+    assert sum(records["exgrpo"]["steps"]["replayed"]) == 0 and c["replay"]["first_step"] is None
+    assert records["exgrpo"]["curve"]["pass_at_1"] == records["grpo"]["curve"]["pass_at_1"]
+    assert "ExGRPO replayed nothing" in printed
+    png = out / results["figure"]
+    assert png.read_bytes()[:8] == PNG_SIGNATURE
     import matplotlib.image
 
     image = matplotlib.image.imread(png)

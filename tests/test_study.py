@@ -32,6 +32,17 @@ def test_tiny_study_saves_reports_and_resumes(tmp_path, capsys):
     assert "| grpo | 1 |" in (results / "results.md").read_text()
     assert (results / "study.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # each run left its last step for the parent's progress bars
+    for arm in runs:
+        assert study.progress_path(cache, "addition", arm, 0).read_text() == "2 2\n"
+        assert study._step(cache, ("addition", arm, 0)) == (2, 2)
+    assert study._step(cache, ("addition", "grpo", 9)) is None
+
+    # the report covers every saved run, whatever this call's --tasks and --arms
+    assert study.main([*argv, "--arms", "grpo", "--report-only"]) == 0
+    capsys.readouterr()
+    assert "| exgrpo | 1 |" in (results / "results.md").read_text()
+
     mtimes = {arm: path.stat().st_mtime_ns for arm, path in runs.items()}
     assert study.main(argv) == 0
     assert "0 runs to train, 2 found" in capsys.readouterr().out

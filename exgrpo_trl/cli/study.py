@@ -250,6 +250,11 @@ def _rows_by_key(dataset) -> dict[str, dict]:
     return {question_key(row["prompt"]): row for row in dataset}
 
 
+def progress_path(cache_dir: str | Path, task: str, arm: str, seed: int) -> Path:
+    """Where a run in progress writes ``STEP MAX_STEPS`` after each step, for the parent's progress bars."""
+    return Path(cache_dir) / "study-logs" / f"{task}-{arm}-seed{seed}.progress"
+
+
 def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str, workdir: str) -> dict:
     """Train one arm of one task with one seed, and save its JSON (atomically) to `out_path`."""
     import torch
@@ -276,6 +281,7 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
         model=model, reward_funcs=[task.reward], args=config, train_dataset=train_set, processing_class=tokenizer
     )
     k, groups = task.num_generations, task.prompts_per_step
+    progress = progress_path(cache_dir, task.name, arm_name, seed)
     steps_log: dict[str, list] = {
         "rollouts": [], "fresh_questions": [], "replayed": [], "replayed_difficulty": [],
         "batch_pass_at_1": [], "buffer_questions": [], "retired": [],
@@ -309,6 +315,10 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
             steps_log["retired"].append(len(buffer.retired) if buffer is not None else None)
             if state.global_step % task.eval_every == 0 or state.global_step == state.max_steps:
                 evaluate_now(state.global_step, total)
+            progress.parent.mkdir(parents=True, exist_ok=True)
+            tmp = progress.with_suffix(f".tmp-{os.getpid()}")
+            tmp.write_text(f"{state.global_step} {state.max_steps}\n")
+            os.replace(tmp, progress)
 
     from transformers.trainer_callback import PrinterCallback
 
@@ -391,8 +401,21 @@ def _child_command(args, task: str, arm: str, seed: int) -> list[str]:
     return cmd + (["--quick"] if args.quick else [])
 
 
-def run_missing(args, tasks: dict[str, Task], todo: list[tuple[str, str, int]]) -> list[str]:
-    """Train the runs in `todo`, `args.jobs` at a time in child processes; returns the failures."""
+def _step(cache_dir, key: tuple[str, str, int]) -> tuple[int, int] | None:
+    try:
+        step, total = progress_path(cache_dir, *key).read_text().split()
+        return int(step), int(total)
+    except (OSError, ValueError):
+        return None
+
+
+def run_missing(
+    args, tasks: dict[str, Task], todo: list[tuple[str, str, int]], step_bars: dict[tuple, str] | None = None
+) -> list[str]:
+    """Train the runs in `todo`, `args.jobs` at a time in child processes; returns the failures.
+
+    Progress: one bar over runs, its postfix the step each running run is at; or, with `step_bars` (run -> label),
+    one bar of steps per run instead."""
     from tqdm.auto import tqdm
 
     for task in {t for t, _, _ in todo}:  # build each warm start once, before the children need it
@@ -400,10 +423,18 @@ def run_missing(args, tasks: dict[str, Task], todo: list[tuple[str, str, int]]) 
     logs = Path(args.cache_dir) / "study-logs"
     logs.mkdir(parents=True, exist_ok=True)
     pending, running, failures = list(todo), {}, []
-    bar = tqdm(total=len(todo), desc="study runs", unit="run", disable=args.no_progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=len(todo), desc="study runs", unit="run", disable=args.no_progress or bool(step_bars), dynamic_ncols=True
+    )
+    bars = {
+        key: tqdm(total=tasks[key[0]].steps, desc=label, unit="step", position=i, disable=args.no_progress,
+                  dynamic_ncols=True)
+        for i, (key, label) in enumerate((step_bars or {}).items())
+    }  # fmt: skip
     while pending or running:
         while pending and len(running) < args.jobs:
             key = pending.pop(0)
+            progress_path(args.cache_dir, *key).unlink(missing_ok=True)
             log = open(logs / f"{key[0]}-{key[1]}-seed{key[2]}.log", "w")  # noqa: SIM115 (closed when it ends)
             running[key] = (subprocess.Popen(_child_command(args, *key), stdout=log, stderr=subprocess.STDOUT), log)
         time.sleep(1.0)
@@ -418,9 +449,23 @@ def run_missing(args, tasks: dict[str, Task], todo: list[tuple[str, str, int]]) 
                 failures.append(f"{name} failed (exit {proc.returncode}); log: {log.name}")
                 bar.write(failures[-1])
             else:
+                if key in bars:
+                    bars[key].update(bars[key].total - bars[key].n)
                 record = json.loads(run_path(args.results, *key).read_text())
                 bar.write(f"{name}: held-out pass@1 {record['final']['pass_at_1']:.3f} ({record['seconds']:.0f}s)")
-        bar.set_postfix(running=", ".join(f"{t}/{a}/s{s}" for t, a, s in running), refresh=False)
+        steps = {key: _step(args.cache_dir, key) for key in running}
+        for key, step_bar in bars.items():
+            if steps.get(key):
+                step_bar.update(steps[key][0] - step_bar.n)
+        bar.set_postfix(
+            running=", ".join(
+                f"{t}/{a}/s{s}" + (f" {steps[(t, a, s)][0]}/{steps[(t, a, s)][1]}" if steps[(t, a, s)] else "")
+                for t, a, s in running
+            ),
+            refresh=False,
+        )
+    for step_bar in bars.values():
+        step_bar.close()
     bar.close()
     return failures
 
@@ -624,10 +669,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"exgrpo study: {exc}", file=sys.stderr)
         return 2
     if args.run_one:
-        from .demo import _quiet
+        from ..utils.quiet import quiet
 
         task, arm, seed = args.run_one
-        with _quiet():
+        with quiet():
             run_one(
                 tasks[task],
                 arm,
@@ -650,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
         done = len(names) * len(arms) * len(seeds) - len(todo)
         print(f"exgrpo study: {len(todo)} runs to train, {done} found in {args.results}", flush=True)
         failures = run_missing(args, tasks, todo) if todo else []
-    _, table = report(args.results, names, arms)
+    _, table = report(args.results, None, None)  # every saved run: a partial call must not shrink the report
     print(table)
     print(f"results: {args.results / 'results.json'}, {args.results / 'results.md'}, {args.results / 'study.png'}")
     for failure in failures:

@@ -419,7 +419,7 @@ def countdown_splits(n_train: int, n_eval: int, *, seed: int = 0, **kwargs) -> t
 COUNTDOWN_ALPHABET = ALPHABET + tuple("-*(),:")
 # Bump the name whenever the questions, answers or alphabet change: it keys the warm-start cache.
 COUNTDOWN_TASK = SupervisedTask(name="countdown-v1", alphabet=COUNTDOWN_ALPHABET, example=countdown_example)
-# The addition demo's shape (cli/demo.py MODEL): ~1.05M parameters, four heads of 32.
+# The toy model of the addition task (cli/study.py TOY_MODEL): ~1.05M parameters, four heads of 32.
 COUNTDOWN_MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=512)
 # The longest answer the task needs is 11 characters, plus <eos>; 16 leaves some room.
 COUNTDOWN_MAX_COMPLETION = 16
