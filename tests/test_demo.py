@@ -51,6 +51,10 @@ def records():
     # 128, then 128 - 8 = 120 -> 248 in all.
     grpo = _record("grpo", [0, 128, 256], [0.1, 0.2, 0.3], {"2": [0.2, 0.3, 0.5], "3": [0.0, 0.1, 0.1]}, [0, 0])
     ex = _record("exgrpo", [0, 128, 248], [0.1, 0.3, 0.28], {"2": [0.2, 0.5, 0.4], "3": [0.0, 0.1, 0.16]}, [0, 8])
+    ex["probes"] = {
+        "replayed": {"questions": 2, "warm_start": {"overall": 0.1}, "final": {"overall": 0.6}},
+        "retired": {"questions": 2, "warm_start": {"overall": 0.5}, "final": {"overall": 0.25}},
+    }
     return {"grpo": grpo, "exgrpo": ex}
 
 
@@ -68,6 +72,8 @@ def test_comparison_arithmetic(records):
     assert "ExGRPO ends 0.020 lower than GRPO (0.280 against 0.300)" in text
     assert "at step 1, after 128 generated rollouts: 50% of GRPO's 256" in text
     assert "from step 2, 8.0 of 16 groups per step were replayed questions" in text
+    assert "Pass@1 on the 2 most replayed training questions: 0.100 at the warm start, 0.600 at the end." in text
+    assert "Pass@1 on 2 of the retired training questions: 0.500 at the warm start, 0.250 at the end." in text
     rows = {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line.strip()) for line in text.splitlines()[2:6])}
     assert rows == {
         "needs 2 numbers": ["0.200", "0.500", "0.400"],

@@ -186,11 +186,11 @@ def report_text(task: study.Task, records: dict[str, dict], c: dict, context: di
             f"{r['questions_replayed']:,} training questions (at most {r['max']} on one). At the end the buffer held "
             f"{r['buffer_questions']} questions and {r['retired']} were retired."
         )
-    for name, what in (("probe_most_replayed", "most replayed"), ("probe_retired", "retired")):
+    for name, what in (("probe_most_replayed", "the {n} most replayed"), ("probe_retired", "{n} of the retired")):
         probe = r.get(name)
         if probe:
             lines.append(
-                f"Pass@1 on the {probe['questions']} {what} training questions: "
+                f"Pass@1 on {what.format(n=probe['questions'])} training questions: "
                 f"{_fmt(probe['warm_start']['overall'])} at the warm start, "
                 f"{_fmt(probe['final']['overall'])} at the end."
             )
@@ -238,7 +238,8 @@ def figure(task: study.Task, records: dict[str, dict], c: dict, path: Path) -> N
     for i, (label, color, values) in enumerate(names):
         ys = [values["by_difficulty"].get(d, 0.0) for d in difficulties] + [values["overall"]]
         ax.bar([x + (i - 1) * 0.27 for x in range(len(ys))], ys, 0.27, color=color, label=label)
-    ax.set_xticks(range(len(difficulties) + 1), [_difficulty_label(task, d) for d in difficulties] + ["overall"])
+    short = [_difficulty_label(task, d).removeprefix("needs ") for d in difficulties]
+    ax.set_xticks(range(len(difficulties) + 1), [*short, "overall"])
     ax.set(title="held-out pass@1 at the end, by difficulty", ylabel="pass@1")
     ax.legend(fontsize=8)
 
