@@ -3,6 +3,7 @@ model in place of the Hub name) and the whole local path of recipes/tiny_cpu.yam
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -116,3 +117,37 @@ def test_cpu_path_for_real(tmp_path):
     report = outputs[-1]
     assert re.search(r"^replay\s+on; 150 generation batches so far$", report, re.M), report
     assert int(re.search(r"^questions\s+([\d,]+)$", report, re.M).group(1).replace(",", "")) > 0, report
+
+
+STUDY = ROOT / "benchmarks" / "results" / "study"
+
+
+def _band(final: dict) -> str:
+    return f"{final['median']:.3f} [{final['min']:.3f}, {final['max']:.3f}]"
+
+
+def test_study_tables_match_the_committed_results():
+    """The README's study figures are the committed results.json's, not typed by hand: the addition table is
+    results.md's, row for row, and every row of the Countdown table is rebuilt here from results.json."""
+    results = json.loads((STUDY / "results.json").read_text())
+    report = (STUDY / "results.md").read_text()
+    addition = report[report.index("### addition") : report.index("### countdown")]
+    rows = [line for line in addition.splitlines() if line.startswith("| ") and not line.startswith("| arm")]
+    assert len(rows) == 8
+    for row in rows:
+        assert row in README, row
+    section = README[README.index("### Countdown (where") : README.index("### The demo")]
+    for arm in results["countdown-weak"]["arms"]:
+        cells = []
+        for task in ("countdown-weak", "countdown-medium"):
+            entry = results[task]["arms"][arm]
+            cells.append(f"{len(entry['seeds'])}: {_band(entry['final'])}")
+            cells += [f"{entry['by_difficulty'][d]:.3f}" for d in ("2", "3", "4")]
+        assert f"| {arm} | " + " | ".join(cells) + " |" in section, arm
+    # the answer paragraph: GRPO and ExGRPO on each task, 5 seeds each
+    answer = README[README.index("**The answer, measured") :]
+    answer = answer[: answer.index("\n\n")].replace("\n", " ")
+    for task in results:
+        for arm in ("grpo", "exgrpo"):
+            assert len(results[task]["arms"][arm]["seeds"]) == 5
+            assert _band(results[task]["arms"][arm]["final"]) in answer, (task, arm)
