@@ -21,6 +21,14 @@ def tokenizer():
     return build_char_tokenizer()
 
 
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    """A saved tiny toy model and its char tokenizer (exgrpo_trl.tasks.toy), loadable by name like a Hub model."""
+    from exgrpo_trl.tasks.toy import build_tiny_model_dir
+
+    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny"))
+
+
 def make_model(tokenizer, seed: int = 0):
     from exgrpo_trl.tasks.toy import build_tiny_model
 

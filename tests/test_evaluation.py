@@ -350,13 +350,6 @@ class ScriptedGenerator:
         return [[Completion(text, 3, False) for text in texts] for texts in script]
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from exgrpo_trl.tasks.toy import build_tiny_model_dir
-
-    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny"))
-
-
 def _args(*argv):
     return ev_cli.build_arg_parser().parse_args(list(argv))
 

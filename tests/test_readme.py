@@ -122,13 +122,11 @@ def test_cpu_path_for_real(tmp_path):
 STUDY = ROOT / "benchmarks" / "results" / "study"
 
 
-def _band(final: dict) -> str:
-    return f"{final['median']:.3f} [{final['min']:.3f}, {final['max']:.3f}]"
-
-
 def test_study_tables_match_the_committed_results():
     """The README's study figures are the committed results.json's, not typed by hand: the addition table is
     results.md's, row for row, and every row of the Countdown table is rebuilt here from results.json."""
+    from exgrpo_trl.cli.study import band, fmt
+
     results = json.loads((STUDY / "results.json").read_text())
     report = (STUDY / "results.md").read_text()
     addition = report[report.index("### addition") : report.index("### countdown")]
@@ -141,8 +139,8 @@ def test_study_tables_match_the_committed_results():
         cells = []
         for task in ("countdown-weak", "countdown-medium"):
             entry = results[task]["arms"][arm]
-            cells.append(f"{len(entry['seeds'])}: {_band(entry['final'])}")
-            cells += [f"{entry['by_difficulty'][d]:.3f}" for d in ("2", "3", "4")]
+            cells.append(f"{len(entry['seeds'])}: {band(entry['final'])}")
+            cells += [fmt(entry["by_difficulty"][d]) for d in ("2", "3", "4")]
         assert f"| {arm} | " + " | ".join(cells) + " |" in section, arm
     # the answer paragraph: GRPO and ExGRPO on each task, 5 seeds each
     answer = README[README.index("**The answer, measured") :]
@@ -150,4 +148,4 @@ def test_study_tables_match_the_committed_results():
     for task in results:
         for arm in ("grpo", "exgrpo"):
             assert len(results[task]["arms"][arm]["seeds"]) == 5
-            assert _band(results[task]["arms"][arm]["final"]) in answer, (task, arm)
+            assert band(results[task]["arms"][arm]["final"]) in answer, (task, arm)

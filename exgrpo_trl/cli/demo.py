@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from . import study
+from .study import fmt
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -74,10 +75,6 @@ def _difficulty_label(task: study.Task, d: str) -> str:
     if task.difficulty == "digits":
         return f"{d} digit" + ("s" if d != "1" else "")
     return f"needs {d} numbers"
-
-
-def _fmt(x: float | None, digits: int = 3) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def _reached(record: dict, target: float) -> tuple[int, int] | None:
@@ -145,9 +142,9 @@ def report_text(task: study.Task, records: dict[str, dict], c: dict, context: di
     difficulties = sorted(c["warm_start"]["by_difficulty"], key=float)
     for d in difficulties:
         row = [c["warm_start"]["by_difficulty"].get(d)] + [c["final"][a]["by_difficulty"].get(d) for a in ARMS]
-        lines.append(f"{_difficulty_label(task, d):<{width}}" + "".join(f"{_fmt(v):>12}" for v in row))
+        lines.append(f"{_difficulty_label(task, d):<{width}}" + "".join(f"{fmt(v):>12}" for v in row))
     row = [c["warm_start"]["overall"]] + [c["final"][a]["overall"] for a in ARMS]
-    lines.append(f"{'overall':<{width}}" + "".join(f"{_fmt(v):>12}" for v in row))
+    lines.append(f"{'overall':<{width}}" + "".join(f"{fmt(v):>12}" for v in row))
     lines.append(
         f"{'generated rollouts':<{width}}{'':>12}" + "".join(f"{c['final'][a]['rollouts']:>12,}" for a in ARMS)
     )
@@ -158,17 +155,17 @@ def report_text(task: study.Task, records: dict[str, dict], c: dict, context: di
     verdict = (
         f"{abs(diff):.3f} higher than" if diff > 0 else f"{abs(diff):.3f} lower than" if diff < 0 else "level with"
     )
-    lines.append(f"This seed ({seed}): ExGRPO ends {verdict} GRPO ({_fmt(ex['final']['pass_at_1'])} against "
-                 f"{_fmt(c['grpo_final'])}).")  # fmt: skip
+    lines.append(f"This seed ({seed}): ExGRPO ends {verdict} GRPO ({fmt(ex['final']['pass_at_1'])} against "
+                 f"{fmt(c['grpo_final'])}).")  # fmt: skip
     reach = c["exgrpo_reached_grpo_final"]
     if reach is None:
         lines.append(
-            f"ExGRPO never reached GRPO's final held-out pass@1 ({_fmt(c['grpo_final'])}); its best evaluation was "
-            f"{_fmt(c['exgrpo_best'])}."
+            f"ExGRPO never reached GRPO's final held-out pass@1 ({fmt(c['grpo_final'])}); its best evaluation was "
+            f"{fmt(c['exgrpo_best'])}."
         )
     else:
         lines.append(
-            f"ExGRPO first reached GRPO's final held-out pass@1 ({_fmt(c['grpo_final'])}) at step {reach['step']}, "
+            f"ExGRPO first reached GRPO's final held-out pass@1 ({fmt(c['grpo_final'])}) at step {reach['step']}, "
             f"after {reach['rollouts']:,} generated rollouts: {100 * reach['share_of_grpo']:.0f}% of GRPO's "
             f"{grpo['final']['rollouts']:,} (the study's target: at most {100 * study.TARGET_ROLLOUT_SHARE:.0f}%, "
             "median of 5 seeds)."
@@ -191,8 +188,8 @@ def report_text(task: study.Task, records: dict[str, dict], c: dict, context: di
         if probe:
             lines.append(
                 f"Pass@1 on {what.format(n=probe['questions'])} training questions: "
-                f"{_fmt(probe['warm_start']['overall'])} at the warm start, "
-                f"{_fmt(probe['final']['overall'])} at the end."
+                f"{fmt(probe['warm_start']['overall'])} at the warm start, "
+                f"{fmt(probe['final']['overall'])} at the end."
             )
     if context is not None:
         g, e = context["arms"]["grpo"], context["arms"]["exgrpo"]
@@ -200,8 +197,7 @@ def report_text(task: study.Task, records: dict[str, dict], c: dict, context: di
         lines.append("")
         lines.append(
             f"The study ({len(g['seeds'])} GRPO and {len(e['seeds'])} ExGRPO seeds of {task.name}): final held-out "
-            f"pass@1 GRPO {_fmt(g['final']['median'])} [{_fmt(g['final']['min'])}, {_fmt(g['final']['max'])}], "
-            f"ExGRPO {_fmt(e['final']['median'])} [{_fmt(e['final']['min'])}, {_fmt(e['final']['max'])}] "
+            f"pass@1 GRPO {study.band(g['final'])}, ExGRPO {study.band(e['final'])} "
             "(median [min, max]); ExGRPO "
             + (
                 f"reached GRPO's final median with {100 * share:.0f}% of GRPO's rollouts (median over seeds)."

@@ -525,8 +525,13 @@ def summarize(runs: list[dict]) -> dict:
     return summary
 
 
-def _f(x: float | None, digits: int = 3) -> str:
+def fmt(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
+
+
+def band(final: dict) -> str:
+    """A summary's final pass@1 as "median [min, max]"."""
+    return f"{fmt(final['median'])} [{fmt(final['min'])}, {fmt(final['max'])}]"
 
 
 def markdown(summary: dict) -> str:
@@ -535,8 +540,8 @@ def markdown(summary: dict) -> str:
         lines.append(f"### {task}: {TASKS[task].description if task in TASKS else ''}")
         lines.append("")
         lines.append(
-            f"Warm start held-out pass@1 {_f(s['warm_start_median'])}; "
-            f"GRPO's final median {_f(s['grpo_final_median'])} after {_f(s['grpo_rollouts'], 0)} generated rollouts."
+            f"Warm start held-out pass@1 {fmt(s['warm_start_median'])}; "
+            f"GRPO's final median {fmt(s['grpo_final_median'])} after {fmt(s['grpo_rollouts'], 0)} generated rollouts."
         )
         lines.append("")
         difficulties = sorted({d for a in s["arms"].values() for d in a["by_difficulty"]}, key=float)
@@ -550,9 +555,9 @@ def markdown(summary: dict) -> str:
             row = [
                 arm,
                 str(len(a["seeds"])),
-                f"{_f(a['final']['median'])} [{_f(a['final']['min'])}, {_f(a['final']['max'])}]",
-                *[_f(a["by_difficulty"].get(d)) for d in difficulties],
-                _f(reach.get("median"), 0) if reach.get("median") is not None else "not reached",
+                band(a["final"]),
+                *[fmt(a["by_difficulty"].get(d)) for d in difficulties],
+                fmt(reach.get("median"), 0) if reach.get("median") is not None else "not reached",
                 "-" if share is None else f"{100 * share:.0f}%",
                 f"{reach.get('reached', 0)}/{len(a['seeds'])}",
             ]

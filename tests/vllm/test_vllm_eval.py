@@ -7,14 +7,9 @@ import pytest
 
 from exgrpo_trl import eval as ev
 
+from .test_vllm_replay import vllm_env
+
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from exgrpo_trl.tasks.toy import build_tiny_model_dir
-
-    return build_tiny_model_dir(tmp_path_factory.mktemp("tiny"))
 
 
 def test_vllm_generator_matches_transformers_greedy(tokenizer_dir, tokenizer, tmp_path, monkeypatch):
@@ -22,16 +17,7 @@ def test_vllm_generator_matches_transformers_greedy(tokenizer_dir, tokenizer, tm
     truncation are consistent, and greedy decoding gives the transformers generator's completions token for token."""
     from transformers import AutoModelForCausalLM
 
-    (tmp_path / "tmp").mkdir()
-    for key, value in {
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_HOST_IP": "127.0.0.1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "TMPDIR": str(tmp_path / "tmp"),
-        "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
-    }.items():
+    for key, value in vllm_env(tmp_path).items():
         monkeypatch.setenv(key, value)
     ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ("12+34=", "5+5=", "987+6=")]
     vllm_gen = ev.VLLMGenerator(
