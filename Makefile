@@ -37,6 +37,7 @@ demo: $(STAMP)
 LINTED := exgrpo_trl tests benchmarks scripts
 
 style: $(STAMP)
+	$(PY) -c "from exgrpo_trl.cli.train import write_help; write_help()"
 	$(VENV)/bin/ruff format $(LINTED)
 	$(VENV)/bin/ruff check --fix $(LINTED)
 

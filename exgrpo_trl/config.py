@@ -125,6 +125,17 @@ class ExGRPOConfig(GRPOConfig):
         },
     )
 
+    # TRL's default (True) under transformers' deprecated name made every config, and so every `exgrpo train`, warn
+    # (FutureWarning: use `activation_checkpointing`) whether or not the option was used. Unset here: __post_init__
+    # gives TRL's default to the new name, and transformers warns only when the old name is set.
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Deprecated name of activation_checkpointing (transformers 5). Unset: activation_checkpointing "
+            "decides, True when that is unset too (TRL's default)."
+        },
+    )
+
     @classmethod
     def from_grpo_config(cls, config: GRPOConfig, **exgrpo_fields) -> ExGRPOConfig:
         """An `ExGRPOConfig` that trains like `config` (every GRPOConfig setting, batch sizes included), with
@@ -151,6 +162,8 @@ class ExGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         self._validate_exgrpo_fields()
+        if self.gradient_checkpointing is None and self.activation_checkpointing is None:
+            self.activation_checkpointing = True  # TRL's default
         super().__post_init__()
 
     def _validate_exgrpo_fields(self):

@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..utils.requirements import MissingDependency, require
 from . import study
 from .study import fmt
 
@@ -268,6 +269,11 @@ def figure(task: study.Task, records: dict[str, dict], c: dict, path: Path) -> N
 # ------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:  # the figure is drawn after minutes of training
+        require("matplotlib", "exgrpo demo")
+    except MissingDependency as e:
+        print(f"exgrpo demo: error: {e}", file=sys.stderr)
+        return 1
     overrides = {"steps": args.steps} if args.steps else {}
     tasks = study._tasks(args.quick, overrides)
     task = tasks[args.task]

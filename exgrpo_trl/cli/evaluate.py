@@ -31,6 +31,7 @@ from ..eval.registry import (
     load_benchmark,
 )
 from ..eval.report import evaluate_benchmark, markdown_table, summarize
+from ..utils.requirements import MissingDependency, require
 
 logger = logging.getLogger(__name__)
 
@@ -295,6 +296,13 @@ def run_evaluation(args: argparse.Namespace, generator=None, tokenizer=None) -> 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``exgrpo eval ARGS`` and ``python -m exgrpo_trl.cli.evaluate ARGS``."""
     args = build_arg_parser().parse_args(argv)
+    try:  # before the model loads: grading comes after hours of generation
+        require("math_verify", "exgrpo eval")
+        if args.backend == "vllm":
+            require("vllm", "exgrpo eval --backend vllm")
+    except MissingDependency as e:
+        print(f"exgrpo eval: error: {e}", file=sys.stderr)
+        return 1
     logging.basicConfig(level=logging.INFO, format="%(asctime)s - %(levelname)s - %(name)s - %(message)s")
     report = run_evaluation(args)
     print(report["markdown"])

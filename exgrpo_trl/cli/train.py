@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
+import inspect
 import logging
 import os
 import sys
+import tempfile
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -169,6 +174,9 @@ def build_parser() -> TrlParser:
     )
 
 
+HELP_WIDTH = 119
+
+
 def short_help() -> str:
     """`exgrpo train --help`: usage, this command's own flags, ExGRPO's options and the common ones of a run.
     `--help-all` prints the parser's own help, every TRL and transformers option included."""
@@ -182,7 +190,8 @@ def short_help() -> str:
         usage=USAGE,
         description=DESCRIPTION,
         add_help=False,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        # a fixed width: the text is written out once (cli/train_help.txt) and printed as is by `exgrpo train --help`
+        formatter_class=lambda prog: argparse.ArgumentDefaultsHelpFormatter(prog, width=HELP_WIDTH),
     )
     own = parser.add_argument_group("this command")
     own.add_argument("--config", metavar="RECIPE.yaml", default=argparse.SUPPRESS, help="the recipe (YAML)")
@@ -208,6 +217,15 @@ def short_help() -> str:
     return parser.format_help()
 
 
+def write_help() -> Path:
+    """Write `short_help()` to cli/train_help.txt, which `exgrpo train --help` prints without importing TRL (`make
+    style` runs this; a test fails when the file is stale)."""
+    from . import TRAIN_HELP
+
+    TRAIN_HELP.write_text(short_help())
+    return TRAIN_HELP
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, ExGRPOConfig, ModelConfig]:
     """Parse ``--config RECIPE.yaml`` plus command-line overrides (`sys.argv[1:]` when `argv` is None). A missing
     recipe, an unknown key or option (with the nearest known one) and a value of the wrong type are UsageErrors."""
@@ -215,6 +233,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, ExGRPOCo
 
     argv = list(sys.argv[1:] if argv is None else argv)
     recipe = None
+    if "--config" not in argv:  # else TRL's defaults run (bf16 on, no model) and fail somewhere unrelated
+        raise UsageError(
+            "no recipe: exgrpo train --config RECIPE.yaml [--FIELD VALUE ...] (recipes/ holds examples; "
+            "exgrpo train --help lists the options)"
+        )
     if "--config" in argv:
         position = argv.index("--config")
         if position + 1 == len(argv):
@@ -323,6 +346,75 @@ def _check_local_paths(script_args: ScriptArguments, model_args: ModelConfig) ->
             )
 
 
+def check_output_dir(output_dir: str) -> None:
+    """`output_dir` must be a folder this process can write to: checked (and created) before the model loads, not
+    found out at the first checkpoint, hours in. Writing a file is the test (permission bits say nothing to root, and
+    nothing about a read-only file system)."""
+    path = Path(output_dir).expanduser()
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"output_dir {output_dir} is a file, not a folder; give a folder (--output_dir DIR)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".exgrpo-write-test-"):
+            pass
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        raise PermissionError(
+            f"output_dir {output_dir} is not a folder this process can write to ({why}); give another one "
+            "(--output_dir DIR)"
+        ) from e
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised: the message names it and its exception; the traceback is behind --debug."""
+
+
+def reporting_errors(func: Callable) -> Callable:
+    """`func` (a reward function) with its exceptions re-raised as a `RewardFunctionError` naming it. Its name, which
+    TRL logs the rewards under, and whether it is async are kept."""
+    name = getattr(func, "__name__", type(func).__name__)
+
+    def error(e: Exception) -> RewardFunctionError:
+        return RewardFunctionError(f"reward function {name} raised {type(e).__name__}: {' '.join(str(e).split())}")
+
+    if inspect.iscoroutinefunction(func):
+
+        @functools.wraps(func)
+        async def async_wrapper(*args, **kwargs):
+            try:
+                return await func(*args, **kwargs)
+            except Exception as e:
+                raise error(e) from e
+
+        return async_wrapper
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except Exception as e:
+            raise error(e) from e
+
+    return wrapper
+
+
+class Interrupted(Exception):
+    """Training stopped by Ctrl-C (KeyboardInterrupt) at `step`."""
+
+    def __init__(self, step: int, max_steps: int, output_dir: str):
+        super().__init__(step, max_steps, output_dir)
+        self.step, self.max_steps, self.output_dir = step, max_steps, output_dir
+
+    def __str__(self) -> str:
+        checkpoint, _ = find_resumable_checkpoint(self.output_dir)
+        of = f" of {self.max_steps}" if self.max_steps and self.max_steps > 0 else ""
+        if checkpoint is None:
+            then = "no checkpoint was saved yet, so rerunning the same command starts again from step 0"
+        else:
+            then = f"rerun the same command to resume from the newest checkpoint, {checkpoint}"
+        return f"interrupted at step {self.step}{of}; {then}"
+
+
 def model_init_kwargs(model_args: ModelConfig, training_args: ExGRPOConfig) -> dict:
     """``from_pretrained`` kwargs for the policy, from `ModelConfig`; explicit ``model_init_kwargs`` win."""
     kwargs = {
@@ -400,6 +492,7 @@ def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args:
             "dataset_streaming is not supported: ExGRPO re-reads questions by index (replay, retirement)."
         )
     _check_local_paths(script_args, model_args)
+    check_output_dir(training_args.output_dir)
     _setup_logging(training_args)
     transformers.set_seed(training_args.seed)
 
@@ -441,7 +534,7 @@ def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args:
     training_args.model_init_kwargs = model_init_kwargs(model_args, training_args)
     trainer = ExGRPOTrainer(
         model=model_args.model_name_or_path,
-        reward_funcs=get_reward_funcs(script_args.reward_funcs),
+        reward_funcs=[reporting_errors(f) for f in get_reward_funcs(script_args.reward_funcs)],
         args=training_args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
@@ -453,7 +546,10 @@ def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args:
     if script_args.validation_dataset and script_args.validation_steps > 0:
         _attach_validation(trainer, script_args, training_args)
 
-    train_result = trainer.train(resume_from_checkpoint=checkpoint)
+    try:
+        train_result = trainer.train(resume_from_checkpoint=checkpoint)
+    except KeyboardInterrupt:
+        raise Interrupted(trainer.state.global_step, trainer.state.max_steps, training_args.output_dir) from None
     metrics = train_result.metrics
     metrics["train_samples"] = len(train_dataset)
     trainer.log_metrics("train", metrics)
@@ -508,11 +604,22 @@ def where_it_went(output_dir: str, global_step: int, adapter: bool, pushed=None)
 
 # Errors reported in one line (the traceback with --debug): what a user can act on, from the recipe, the command line,
 # the files and the checkpoint. Anything else (a bug) keeps its traceback.
-REPORTED_ERRORS = (ValueError, TypeError, OSError, ImportError, NotImplementedError, StateFileError)
+REPORTED_ERRORS = (
+    ValueError,
+    TypeError,
+    OSError,
+    ImportError,
+    NotImplementedError,
+    StateFileError,
+    RewardFunctionError,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``exgrpo train ARGS`` and ``python -m exgrpo_trl.cli.train ARGS``."""
+    # TRL 1.16 reads the model's `is_gradient_checkpointing` around generation, which transformers 5 deprecates: a
+    # warning about TRL's code, shown whether checkpointing is on or off, that a user can do nothing about.
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get("EXGRPO_DEBUG", "") not in ("", "0")
     argv = [arg for arg in argv if arg != "--debug"]
@@ -524,6 +631,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return train(*parse_args(argv))
+    except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C: where training stopped and how to go on, in one line
+        if debug:
+            raise
+        what = str(e) if isinstance(e, Interrupted) else "interrupted before training started; nothing was saved"
+        print(f"\nexgrpo train: {what}", file=sys.stderr)
+        return 130
     except REPORTED_ERRORS as e:
         if debug:
             raise

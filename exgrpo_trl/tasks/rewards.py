@@ -41,6 +41,8 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from ..utils.requirements import require
+
 __all__ = [
     "THINK_END",
     "REWARD_FUNCS",
@@ -298,6 +300,8 @@ class MathVerifier:
     ):
         if parse_timeout_s <= 0 or verify_timeout_s <= 0:
             raise ValueError("parse_timeout_s and verify_timeout_s must be > 0: they are what keeps a reward bounded.")
+        # Scoring swallows every failure as 0.0, so without math-verify every answer would silently score 0.
+        require("math_verify", "the math_verify reward")
         self.parse_timeout_s = float(parse_timeout_s)
         self.verify_timeout_s = float(verify_timeout_s)
         self.require_think_end = require_think_end

@@ -1,0 +1,24 @@
+"""Reward functions for the `exgrpo train` tests, named in a recipe as ``tests.cli_rewards:NAME``."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from exgrpo_trl.tasks.toy import addition_reward
+
+_calls = 0
+
+
+def broken_reward(completions, answer, **kwargs):
+    """A reward function with a bug: it reads a column the dataset does not have."""
+    return [float(row["answer_typo"]) for row in kwargs["rows"]]
+
+
+def interrupting_reward(completions, answer, **kwargs):
+    """The toy reward, but on call EXGRPO_TEST_INTERRUPT_AT the process gets SIGINT, as from Ctrl-C in its terminal."""
+    global _calls
+    _calls += 1
+    if _calls == int(os.environ.get("EXGRPO_TEST_INTERRUPT_AT", "0")):
+        os.kill(os.getpid(), signal.SIGINT)
+    return addition_reward(completions, answer, **kwargs)

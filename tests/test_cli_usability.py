@@ -1,0 +1,306 @@
+"""What a new user of the `exgrpo` command meets first (issue 25): `--version`, a fast `exgrpo train --help`, errors
+that name the cause before any work (no recipe, an output_dir that is a file or cannot be written, a missing
+optional package), a reward function that raises reported in one line, Ctrl-C reported in one line with how to go
+on, and no transformers deprecation warning for an option nobody set."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from exgrpo_trl.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "recipes" / "tiny_cpu.yaml"
+ENV = {
+    **os.environ,
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+}
+
+
+@pytest.fixture(scope="module")
+def toy_dir(tmp_path_factory):
+    from exgrpo_trl.tasks.toy import addition_splits, build_tiny_model_dir
+
+    out = tmp_path_factory.mktemp("toy")
+    build_tiny_model_dir(out)
+    train, _ = addition_splits(64, 8, seed=0)
+    train.to_json(str(out / "train.jsonl"))
+    return out
+
+
+def _train_args(toy_dir: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        "--config",
+        str(TINY),
+        "--model_name_or_path",
+        str(toy_dir),
+        "--dataset_name",
+        str(toy_dir / "train.jsonl"),
+        "--output_dir",
+        str(out),
+        "--per_device_train_batch_size",
+        "16",
+        "--generation_batch_size",
+        "16",
+        "--logging_steps",
+        "1",
+        "--disable_tqdm",
+        "true",
+        *extra,
+    ]
+
+
+def _exgrpo() -> list[str]:
+    script = Path(sys.executable).parent / "exgrpo"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "exgrpo_trl.cli"]
+
+
+# ----------------------------------------------------------------------------------------------------- the command
+def test_version(capsys):
+    from exgrpo_trl import __version__
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"exgrpo-trl {__version__}\n"
+
+
+def test_train_without_a_recipe_says_so(capsys):
+    """It used to run TRL's defaults and stop at `Your setup doesn't support bf16/gpu`."""
+    for argv in (["train"], ["train", "--max_steps", "3"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.splitlines() == [
+            "exgrpo train: error: no recipe: exgrpo train --config RECIPE.yaml [--FIELD VALUE ...] (recipes/ holds "
+            "examples; exgrpo train --help lists the options)"
+        ]
+
+
+def test_train_help_is_written_out_and_fast():
+    """`exgrpo train --help` prints the text `short_help()` builds (kept in the package, so it imports no TRL): it
+    took 6-15 s, importing torch, transformers and TRL to build it."""
+    from exgrpo_trl.cli import TRAIN_HELP
+    from exgrpo_trl.cli.train import short_help
+
+    assert TRAIN_HELP.is_file() and TRAIN_HELP.read_text() == short_help(), (
+        "exgrpo_trl/cli/train_help.txt is stale: make style (or python -c 'from exgrpo_trl.cli.train import "
+        "write_help; write_help()')"
+    )
+    start = time.perf_counter()
+    run = subprocess.run([*_exgrpo(), "train", "--help"], env=ENV, capture_output=True, text=True, timeout=60)
+    seconds = time.perf_counter() - start
+    assert run.returncode == 0 and run.stdout == TRAIN_HELP.read_text()
+    assert seconds < 3, f"exgrpo train --help took {seconds:.1f}s"
+
+
+def test_no_deprecation_warning_for_an_option_not_used():
+    """TRL's default `gradient_checkpointing=True` made transformers warn (FutureWarning) on every config and every
+    `exgrpo train`; the recipes now use the new name, and the old one still warns when it is set."""
+    from exgrpo_trl import ExGRPOConfig
+    from exgrpo_trl.cli.train import parse_args
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        args = ExGRPOConfig(output_dir="out", use_cpu=True, bf16=False)
+        assert args.activation_checkpointing is True and args.gradient_checkpointing is True  # TRL's default kept
+        _, args, _ = parse_args(["--config", str(TINY)])
+        assert args.activation_checkpointing is False and args.gradient_checkpointing is False
+        for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
+            assert "\ngradient_checkpointing" not in recipe.read_text(), recipe.name
+    with pytest.warns(FutureWarning, match="gradient_checkpointing"):
+        args = ExGRPOConfig(output_dir="out", use_cpu=True, bf16=False, gradient_checkpointing=False)
+    assert args.activation_checkpointing is False
+
+
+# ----------------------------------------------------------------------------------------------------- output_dir
+def test_output_dir_that_is_a_file_fails_before_the_model_loads(toy_dir, tmp_path, capsys):
+    (tmp_path / "model").mkdir()  # an empty folder: loading it would fail, with another message
+    out = tmp_path / "out"
+    out.write_text("not a folder")
+    argv = _train_args(toy_dir, out, "--model_name_or_path", str(tmp_path / "model"))
+    assert main(argv) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"exgrpo train: error: output_dir {out} is a file, not a folder; give a folder (--output_dir DIR) "
+        "(--debug shows the traceback)"
+    )
+
+
+def _make_unwritable(path: Path) -> str:
+    """Make `path` unwritable even for root (an immutable folder); returns how, or skips when it cannot."""
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        return "chmod"
+    done = subprocess.run(["chattr", "+i", str(path)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip("running as root where chattr +i does not work: no folder is unwritable")
+    return "chattr"
+
+
+def test_unwritable_output_dir_fails_before_the_model_loads(toy_dir, tmp_path, capsys):
+    """It was found at the first checkpoint save (hours in, on a GPU)."""
+    (tmp_path / "model").mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    how = _make_unwritable(out)
+    try:
+        assert main(_train_args(toy_dir, out, "--model_name_or_path", str(tmp_path / "model"))) == 1
+    finally:
+        subprocess.run(["chattr", "-i", str(out)]) if how == "chattr" else out.chmod(0o755)
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line.startswith(f"exgrpo train: error: output_dir {out} is not a folder this process can write to (")
+    assert line.endswith("); give another one (--output_dir DIR) (--debug shows the traceback)")
+
+
+# ----------------------------------------------------------------------------------------------------- reward errors
+def test_a_reward_function_that_raises_is_one_line(toy_dir, tmp_path, capsys):
+    """It printed TRL's 50-line traceback; the line names the function and its exception, --debug shows the rest."""
+    argv = _train_args(
+        toy_dir, tmp_path / "out", "--max_steps", "1", "--reward_funcs", "tests.cli_rewards:broken_reward"
+    )
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        "exgrpo train: error: reward function broken_reward raised KeyError: 'rows' (--debug shows the traceback)"
+    )
+    assert "Traceback" not in err
+    from exgrpo_trl.cli.train import RewardFunctionError
+
+    with pytest.raises(RewardFunctionError) as raised:
+        main([*argv, "--debug"])
+    assert isinstance(raised.value.__cause__, KeyError)  # the reward's own traceback, behind --debug
+
+
+def test_reporting_errors_keeps_what_trl_reads():
+    """TRL logs a reward under its __name__ and awaits the async ones: the wrapper keeps both."""
+    import asyncio
+    import inspect
+
+    from exgrpo_trl.cli.train import reporting_errors
+
+    async def judge(completions, **kwargs):
+        return [1.0 for _ in completions]
+
+    def plain(completions, **kwargs):
+        return [0.5 for _ in completions]
+
+    assert reporting_errors(plain).__name__ == "plain" and reporting_errors(plain)(["a"]) == [0.5]
+    wrapped = reporting_errors(judge)
+    assert wrapped.__name__ == "judge" and inspect.iscoroutinefunction(wrapped)
+    assert asyncio.run(wrapped(["a", "b"])) == [1.0, 1.0]
+
+
+# ----------------------------------------------------------------------------------------------------- Ctrl-C
+def test_ctrl_c_is_one_line_and_rerunning_resumes(toy_dir, tmp_path):
+    """SIGINT during step 3 (the reward's third call): one line with the step reached and the checkpoint the same
+    command resumes from, exit code 130, no traceback (it was 37 lines); rerunning the command does resume there."""
+    out = tmp_path / "out"
+    argv = [
+        *_exgrpo(),
+        *_train_args(toy_dir, out, "--max_steps", "4", "--save_steps", "1"),
+        "--reward_funcs",
+        "tests.cli_rewards:interrupting_reward",
+    ]
+    run = subprocess.run(
+        argv, env={**ENV, "EXGRPO_TEST_INTERRUPT_AT": "3"}, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 130, run.stderr[-3000:]
+    assert run.stderr.splitlines()[-1] == (
+        f"exgrpo train: interrupted at step 2 of 4; rerun the same command to resume from the newest checkpoint, "
+        f"{out / 'checkpoint-2'}"
+    )
+    assert "Traceback" not in run.stderr
+
+    again = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"Resuming from checkpoint {out / 'checkpoint-2'}" in again.stdout + again.stderr
+    assert "exgrpo train: done at step 4." in again.stdout
+    assert "Warning" not in again.stderr, again.stderr  # nothing about options the recipe does not use
+
+
+# ----------------------------------------------------------------------------------------------------- dependencies
+HIDE = """
+import importlib.abc, sys
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {hidden!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Hide())
+"""
+
+
+def _without(hidden: set[str], code: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter where the packages `hidden` cannot be imported (as if not installed)."""
+    script = HIDE.format(hidden=hidden) + code
+    return subprocess.run(
+        [sys.executable, "-c", script], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_math_reward_without_math_verify_fails_at_once(tmp_path):
+    """It scored every answer 0.0 (logged at debug level): a run would train for days against a zero reward."""
+    code = (
+        "from exgrpo_trl.tasks.rewards import math_reward\n"
+        "try:\n"
+        "    print(math_reward(['<think>ok</think> The answer is \\\\boxed{42}'], answer=['42']))\n"
+        "except ImportError as e:\n"
+        "    print('ImportError:', e)\n"
+    )
+    run = _without({"math_verify"}, code, tmp_path)
+    assert run.stdout.splitlines() == [
+        "ImportError: the math_verify reward needs math_verify, which is not installed: "
+        "pip install 'math-verify[antlr4_13_2]'"
+    ], run.stdout + run.stderr
+
+
+def test_math_reward_scores_a_correct_answer():
+    from exgrpo_trl.tasks.rewards import math_reward
+
+    assert math_reward(["<think>ok</think> The answer is \\boxed{42}"], answer=["42"]) == [1.0]
+
+
+@pytest.mark.parametrize(
+    "hidden, argv, message",
+    [
+        (
+            "matplotlib",
+            ["demo", "--quick", "--out", "demo-out"],
+            "exgrpo demo: error: exgrpo demo needs matplotlib, which is not installed: pip install "
+            "'exgrpo-trl[demo]' (or pip install matplotlib)",
+        ),
+        (
+            "matplotlib",
+            ["inspect", "nowhere/checkpoint-1", "--plot=buffer.png"],
+            "exgrpo inspect: error: exgrpo inspect --plot needs matplotlib, which is not installed: pip install "
+            "'exgrpo-trl[demo]' (or pip install matplotlib)",
+        ),
+        (
+            "math_verify",
+            ["eval", "--model", "nowhere", "--benchmarks", "math500"],
+            "exgrpo eval: error: exgrpo eval needs math_verify, which is not installed: pip install "
+            "'math-verify[antlr4_13_2]'",
+        ),
+        (
+            "vllm",
+            ["eval", "--model", "nowhere", "--benchmarks", "math500", "--backend", "vllm"],
+            "exgrpo eval: error: exgrpo eval --backend vllm needs vllm, which is not installed: pip install "
+            "'exgrpo-trl[vllm]' (or pip install vllm)",
+        ),
+    ],
+    ids=["demo", "inspect-plot", "eval", "eval-vllm"],
+)
+def test_a_missing_optional_package_stops_the_command_at_once(tmp_path, hidden, argv, message):
+    """Checked before any work: `exgrpo demo` without matplotlib trained both arms for minutes, then died on
+    ModuleNotFoundError without printing its report."""
+    start = time.perf_counter()
+    run = _without({hidden}, f"from exgrpo_trl.cli import main; sys.exit(main({argv!r}))", tmp_path)
+    assert run.returncode == 1 and run.stderr.splitlines() == [message], run.stderr[-3000:]
+    assert time.perf_counter() - start < 30 and not (tmp_path / "demo-out").exists()
