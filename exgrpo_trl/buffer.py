@@ -21,6 +21,9 @@ import numpy as np
 # log-prob -1, far below the step-to-step drift the weight measures.
 IDS_DTYPE = np.int32
 LOGPS_DTYPE = np.float16
+# Which tokens of a multi-turn completion the model produced (1) and which a tool or an environment inserted (0):
+# one byte per token, kept only for trajectories that hold external tokens (None: every token is the model's).
+MASK_DTYPE = np.uint8
 # The buffer's settings that a resumed run takes from its own config (`ExperienceBuffer.restore`).
 SAMPLING_SETTINGS = ("mu", "sigma", "question_selection")
 
@@ -81,15 +84,28 @@ def shortlist_candidates(trajectories: Sequence[Trajectory], m: int | None, high
 
 @dataclass(slots=True)
 class Trajectory:
-    """One stored successful completion: its token ids and the behaviour policy's per-token log-probs."""
+    """One stored successful completion: its token ids and the behaviour policy's per-token log-probs.
+
+    A multi-turn completion (tool calls, environment observations) also keeps `mask`, 1 where the model produced the
+    token and 0 where a tool or environment inserted it, and `record`, what the reward functions were given for it
+    beyond its token ids (JSON-able: the message list with its tool calls, environment-owned rewards, a rollout
+    function's per-row fields, the prompt an environment completed), so that a replay reproduces it without running
+    a tool or an environment again."""
 
     completion_ids: np.ndarray  # (L,) int32, ends with EOS
     logps: np.ndarray  # (L,) float16, log-probs under the policy that generated it (before its update)
     step: int  # global step at which it was collected
+    mask: np.ndarray | None = None  # (L,) uint8, 1 for the model's tokens; None: all of them (normalised so)
+    record: dict[str, Any] | None = None
 
     def stored_nll(self) -> float:
-        """Mean -logp over the tokens under the policy that sampled it (no forward pass)."""
-        return -float(np.mean(self.logps, dtype=np.float64))
+        """Mean -logp over the model's tokens under the policy that sampled it (no forward pass)."""
+        logps = self.logps if self.mask is None else self.logps[self.mask.astype(bool)]
+        return -float(np.mean(logps, dtype=np.float64))
+
+    def model_mask(self) -> np.ndarray:
+        """(L,) uint8: 1 where the model produced the token (all ones for a single-turn completion)."""
+        return np.ones_like(self.completion_ids, dtype=MASK_DTYPE) if self.mask is None else self.mask
 
     def __post_init__(self):
         self.completion_ids = np.ascontiguousarray(self.completion_ids, dtype=IDS_DTYPE)
@@ -99,6 +115,11 @@ class Trajectory:
                 f"a trajectory needs 1-D token ids and log-probs of the same length, got shapes "
                 f"{self.completion_ids.shape} and {self.logps.shape}"
             )
+        if self.mask is not None:
+            mask = np.ascontiguousarray(self.mask, dtype=MASK_DTYPE)
+            if mask.shape != self.completion_ids.shape or (mask > 1).any():
+                raise ValueError(f"a trajectory's model mask must be 0/1 of shape {self.completion_ids.shape}")
+            self.mask = None if mask.all() else mask
 
 
 @dataclass(slots=True)
@@ -276,6 +297,8 @@ class ExperienceBuffer:
                     "num_trajectories": len(e.trajectories),
                     "bucket_position": position[key],
                     "row": e.row,
+                    # multi-turn trajectories only (state format 2): what the reward functions saw of each
+                    **({"records": [t.record for t in e.trajectories]} if _has_records(e) else {}),
                 }
                 for key, e in self.questions.items()
             ],
@@ -286,7 +309,8 @@ class ExperienceBuffer:
         """The whole buffer as flat arrays (for safetensors) and JSON-able metadata; no pickle anywhere.
 
         Arrays: every stored token's id and behaviour log-prob concatenated (questions in buffer order, trajectories
-        in stored order), each trajectory's length and collection step. Metadata: see `state_meta`.
+        in stored order), each trajectory's length and collection step, and, when some trajectory holds tool or
+        environment tokens, every token's model mask ("model_mask"). Metadata: see `state_meta`.
         (`state.save_state` writes the same arrays to disk without concatenating them in memory.)
         """
         trajectories = list(self.iter_trajectories())
@@ -296,7 +320,14 @@ class ExperienceBuffer:
             "lengths": np.array([t.completion_ids.size for t in trajectories], dtype=np.int64),
             "steps": np.array([t.step for t in trajectories], dtype=np.int64),
         }
+        if any(t.mask is not None for t in trajectories):
+            arrays["model_mask"] = _concat([t.model_mask() for t in trajectories], MASK_DTYPE)
         return arrays, self.state_meta()
+
+    @property
+    def is_multi_turn(self) -> bool:
+        """Whether some stored trajectory holds tool or environment tokens, or a record (state format 2)."""
+        return any(t.mask is not None or t.record is not None for t in self.iter_trajectories())
 
     def load_state_dict(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
         """Restore what `state_dict` produced. Raises ValueError if the arrays and metadata do not fit together."""
@@ -313,12 +344,18 @@ class ExperienceBuffer:
                 f"lengths add up to {int(lengths.sum())} tokens, but {ids.size} ids and {logps.size} "
                 "log-probs were saved"
             )
+        masks = arrays.get("model_mask")  # absent from single-turn states: every token is the model's
+        if masks is not None and masks.size != ids.size:
+            raise ValueError(f"{ids.size} token ids but {masks.size} model-mask entries were saved")
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         # Copies, not views: a view would keep the whole loaded array alive as long as any one trajectory lives, so
         # the memory of questions retired after a resume would never be reclaimed.
         trajectories = [
             Trajectory(
-                ids[offsets[t] : offsets[t + 1]].copy(), logps[offsets[t] : offsets[t + 1]].copy(), int(steps[t])
+                ids[offsets[t] : offsets[t + 1]].copy(),
+                logps[offsets[t] : offsets[t + 1]].copy(),
+                int(steps[t]),
+                None if masks is None else masks[offsets[t] : offsets[t + 1]].copy(),
             )
             for t in range(lengths.size)
         ]
@@ -345,9 +382,15 @@ class ExperienceBuffer:
             members.clear()
         t = 0
         for q, n in zip(meta["questions"], counts):
-            self.questions[q["key"]] = QuestionEntry(
+            entry = self.questions[q["key"]] = QuestionEntry(
                 row=q["row"], k=q["k"], trajectories=list(trajectories[t : t + n])
             )
+            records = q.get("records")  # states without multi-turn trajectories have none
+            if records is not None:
+                if len(records) != n:
+                    raise ValueError(f"question {q['key']} lists {n} trajectories but {len(records)} records")
+                for trajectory, record in zip(entry.trajectories, records):
+                    trajectory.record = record
             t += n
         # bucket members in their saved order (states written before positions were saved: buffer order)
         in_order = sorted(range(len(counts)), key=lambda i: meta["questions"][i].get("bucket_position", i))
@@ -375,6 +418,10 @@ class ExperienceBuffer:
 
 def _concat(arrays: list[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype=dtype)
+
+
+def _has_records(entry: QuestionEntry) -> bool:
+    return any(t.record is not None for t in entry.trajectories)
 
 
 def _same_ids(a: np.ndarray, b: np.ndarray) -> bool:

@@ -83,6 +83,17 @@ class ReplayPlan:
     num_groups: int  # groups in the whole generation batch
     selected_entropies: list[float] = field(default_factory=list)  # of the scored (>= 2 candidates) questions
     with_trajectories: bool = True  # False: the questions are revisited with K fresh rollouts, no stored row
+    masks: list[list[int] | None] = field(default_factory=list)  # per trajectory: 1 for the model's tokens, or None
+    records: list[dict[str, Any] | None] = field(default_factory=list)  # per trajectory (`Trajectory.record`)
+
+    def mask(self, j: int) -> list[int]:
+        """Trajectory j's model mask (all ones when every token is the model's)."""
+        mask = self.masks[j] if j < len(self.masks) else None
+        return [1] * len(self.completion_ids[j]) if mask is None else list(mask)
+
+    def record(self, j: int) -> dict[str, Any]:
+        """Trajectory j's record ({} when it has none)."""
+        return (self.records[j] if j < len(self.records) else None) or {}
 
     @classmethod
     def build(
@@ -104,6 +115,8 @@ class ReplayPlan:
             num_groups=num_groups,
             selected_entropies=list(selected_entropies),
             with_trajectories=with_trajectories,
+            masks=[None if t.mask is None else t.mask.tolist() for t in picked],
+            records=[t.record for t in picked],
         )
 
 
@@ -178,6 +191,7 @@ class StoredRow:
 
     global_row: int
     key: str
+    record: dict[str, Any] | None = None  # what the reward functions saw of a multi-turn row (`Trajectory.record`)
 
 
 @dataclass
@@ -188,7 +202,8 @@ class PendingCollection:
     rows: dict[int, StoredRow]  # local row -> where it goes
     micro_batches_left: int  # loss passes until every row of the batch has been seen once
     step: int  # the global step the trajectories are collected at
-    trajectories: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)  # local row -> (ids, logps)
+    # local row -> (ids, logps, model mask or None)
+    trajectories: dict[int, tuple[list[int], list[float], list[int] | None]] = field(default_factory=dict)
 
 
 def collect(
@@ -202,10 +217,13 @@ def collect(
     stop_ids: set[int],
     micro_batches_left: int,
     step: int,
+    masks: Sequence[Sequence[int] | None] | None = None,
 ) -> PendingCollection:
     """What this rank will commit (SPEC §2, §4): every group with k > 0 (K/K retires it; before the delayed start
     only retirement counts), and, while collecting, the solved fresh rows of groups with 0 < k < K whose completion
-    ends with a stop token (a truncated completion is never stored)."""
+    the model ended: its last token is a stop token and the model's (a truncated completion, or a multi-turn one
+    whose last tokens a tool or an environment wrote, is never stored). `masks`: per local row, 1 for the model's
+    tokens (None: all of them)."""
     num_local = len(rows.inputs)
     offset = process_index * num_local
     groups, stored = [], {}
@@ -218,6 +236,7 @@ def collect(
             keep_row = collecting and successes < k
             groups.append(GroupOutcome(group, key, successes, rows.inputs[local] if keep_row else None))
         ids = completion_ids[local]
+        mask = masks[local] if masks is not None else None
         if (
             collecting
             and 0 < successes < k
@@ -225,6 +244,7 @@ def collect(
             and not rows.is_replayed(local)
             and ids
             and ids[-1] in stop_ids
+            and (mask is None or bool(mask[len(ids) - 1]))
         ):
             stored[local] = StoredRow(global_row, key)
     return PendingCollection(groups, stored, micro_batches_left, step)
@@ -232,19 +252,23 @@ def collect(
 
 def commit(
     buffer: ExperienceBuffer,
-    gathered: Sequence[tuple[list[GroupOutcome], list[tuple[int, str, list[int], list[float]]]]],
+    gathered: Sequence[tuple[list[GroupOutcome], list[tuple]]],
     *,
     step: int,
     is_main_process: bool,
     k: int,
 ) -> None:
     """Apply every rank's (groups, trajectories) to the buffer, in global row order so that every world size builds
-    the same buffer. Only the main process holds trajectories; the others keep the retired set (for the sampler)."""
+    the same buffer. Only the main process holds trajectories; the others keep the retired set (for the sampler).
+
+    A trajectory is (global row, key, ids, logps), optionally followed by its model mask and its record."""
     groups = sorted((g for rank_groups, _ in gathered for g in rank_groups), key=lambda g: g.group)
     by_key: dict[str, list[Trajectory]] = {}
     if is_main_process:
-        for _, key, ids, logps in sorted(t for _, rank_trajectories in gathered for t in rank_trajectories):
-            by_key.setdefault(key, []).append(Trajectory(ids, logps, step))
+        trajectories = sorted((t for _, rank_trajectories in gathered for t in rank_trajectories), key=lambda t: t[0])
+        for _, key, ids, logps, *extra in trajectories:
+            mask, record = (list(extra) + [None, None])[:2]
+            by_key.setdefault(key, []).append(Trajectory(ids, logps, step, mask, record))
     for g in groups:
         if is_main_process:
             buffer.update_group(g.key, g.k, g.row, by_key.pop(g.key, ()))

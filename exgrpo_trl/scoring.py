@@ -34,6 +34,17 @@ def pad_prompt_completion(
     return input_ids.to(device), attention_mask.to(device), completion_mask.to(device)
 
 
+def model_token_mask(masks: Sequence[Sequence[int] | None], like: torch.Tensor) -> torch.Tensor:
+    """(N, C) 0/1 mask of the model's tokens in right-padded completions, shaped and typed like `like`: each row's
+    mask (1 where the model produced the token, 0 where a tool or an environment inserted it; None: all ones) in
+    its first positions, 1 after them (the completion mask zeroes the padding)."""
+    out = torch.ones_like(like)  # (N, C)
+    for i, mask in enumerate(masks):
+        if mask is not None:
+            out[i, : len(mask)] = torch.as_tensor(list(mask), dtype=like.dtype)
+    return out
+
+
 def masked_mean_per_row(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of each row's values over its own masked positions: (N, T), (N, T) -> (N,)."""
     mask = mask.to(values.dtype)

@@ -4,10 +4,17 @@ Layout, inside a checkpoint folder:
 
     exgrpo_state/
         buffer.safetensors   token ids (int32) and behaviour log-probs (float16) of every stored trajectory,
-                             concatenated, with each trajectory's length and collection step
+                             concatenated, with each trajectory's length and collection step (and, in format
+                             2, every token's model mask: uint8, 0 where a tool or an environment inserted it)
         state.json           format version, buffer config, questions (key, bucket, dataset row), retired set,
                              the sampler's random-generator state, the trainer's switches and counters,
-                             and a CRC-32 of every array
+                             and a CRC-32 of every array (in format 2, each multi-turn trajectory's record:
+                             what the reward functions were given for it beyond its token ids)
+
+Format 1 is the single-turn layout; format 2 adds the optional "model_mask" array and per-question "records", and
+is written only when the buffer holds tool-calling or environment trajectories, so a single-turn state is written
+exactly as before and older versions of exgrpo-trl still read it. Both formats are read (a format-1 state: every
+token is the model's).
 
 The folder is written under a temporary name and renamed into place, so a crash never leaves a half-written
 state behind. No pickle anywhere. Like buffer.py, this module imports nothing from trl, transformers or accelerate.
@@ -27,13 +34,14 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
-from .buffer import IDS_DTYPE, LOGPS_DTYPE, ExperienceBuffer, Trajectory
+from .buffer import IDS_DTYPE, LOGPS_DTYPE, MASK_DTYPE, ExperienceBuffer, Trajectory
 
 STATE_DIRNAME = "exgrpo_state"
 ARRAYS_FILENAME = "buffer.safetensors"
 META_FILENAME = "state.json"
 FORMAT_NAME = "exgrpo-trl-state"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest format this version writes (format 1 for a single-turn buffer)
+READABLE_VERSIONS = (1, 2)
 
 
 class StateFileError(RuntimeError):
@@ -66,7 +74,7 @@ def save_state(directory: str | os.PathLike, buffer: ExperienceBuffer, trainer_s
     try:
         meta = {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": _format_version(buffer),
             "buffer": buffer.state_meta(),
             "trainer": trainer_state,
             "arrays": _write_arrays(tmp / ARRAYS_FILENAME, list(buffer.iter_trajectories())),
@@ -90,19 +98,27 @@ def save_state(directory: str | os.PathLike, buffer: ExperienceBuffer, trainer_s
 # save_file / load_file: those need the token arrays concatenated in memory (plus a byte copy on save), i.e. two or
 # three times the buffer's size at peak and as many passes over ~1.8 GB at the paper's scale. The file is a
 # standard safetensors file all the same (safetensors.safe_open / load_file read it).
-_ST_DTYPE = {"int32": "I32", "int64": "I64", "float16": "F16", "float32": "F32"}
+_ST_DTYPE = {"int32": "I32", "int64": "I64", "float16": "F16", "float32": "F32", "uint8": "U8"}
 _NP_DTYPE = {v: k for k, v in _ST_DTYPE.items()}
 _IOV_MAX = 512  # buffers per writev / preadv call (POSIX guarantees at least 16; Linux allows 1024)
 
 
+def _format_version(buffer: ExperienceBuffer) -> int:
+    return FORMAT_VERSION if buffer.is_multi_turn else 1
+
+
 def _saved_arrays(trajectories: list[Trajectory]) -> list[tuple[str, np.dtype, list[np.ndarray]]]:
-    """The four arrays of the file, each as the list of pieces that concatenate to it (state.json order)."""
-    return [
+    """The arrays of the file, each as the list of pieces that concatenate to it (state.json order): four, and the
+    model mask when some trajectory holds tool or environment tokens."""
+    arrays = [
         ("completion_ids", np.dtype(IDS_DTYPE), [t.completion_ids for t in trajectories]),
         ("logps", np.dtype(LOGPS_DTYPE), [t.logps for t in trajectories]),
         ("lengths", np.dtype(np.int64), [np.array([t.completion_ids.size for t in trajectories], dtype=np.int64)]),
         ("steps", np.dtype(np.int64), [np.array([t.step for t in trajectories], dtype=np.int64)]),
     ]
+    if any(t.mask is not None for t in trajectories):
+        arrays.append(("model_mask", np.dtype(MASK_DTYPE), [t.model_mask() for t in trajectories]))
+    return arrays
 
 
 def _file_order(names_and_dtypes) -> list[str]:
@@ -119,7 +135,8 @@ def _write_arrays(path: Path, trajectories: list[Trajectory]) -> dict[str, dict[
                 raise ValueError(f"a stored trajectory's {name} is not a contiguous {dtype} array")
     sizes = {name: sum(p.size for p in pieces) for name, _, pieces in arrays}
     by_name = {name: (dtype, pieces) for name, dtype, pieces in arrays}
-    header: dict[str, Any] = {"__metadata__": {"format": FORMAT_NAME, "version": str(FORMAT_VERSION)}}
+    layout = FORMAT_VERSION if "model_mask" in by_name else 1  # the arrays' layout: format 1 unless masks are saved
+    header: dict[str, Any] = {"__metadata__": {"format": FORMAT_NAME, "version": str(layout)}}
     offset = 0
     order = _file_order((name, dtype) for name, dtype, _ in arrays)
     for name in order:
@@ -279,15 +296,19 @@ def read_trajectories(directory: str | os.PathLike, meta: dict[str, Any]) -> lis
                 f"{int(lengths.sum())} tokens, {steps.size} steps, {entries['completion_ids'][1]} token ids"
             )
         pieces = {}
-        for name, dtype in (("completion_ids", IDS_DTYPE), ("logps", LOGPS_DTYPE)):
+        per_token = [("completion_ids", IDS_DTYPE), ("logps", LOGPS_DTYPE)]
+        if "model_mask" in meta["arrays"]:  # format 2 with tool or environment tokens
+            per_token.append(("model_mask", MASK_DTYPE))
+        for name, dtype in per_token:
             if entries[name][1] != entries["completion_ids"][1]:
                 raise StateFileError(f"ExGRPO state in {path.parent} is inconsistent: {entries[name][1]} {name}")
             pieces[name] = [np.empty(int(n), dtype=dtype) for n in lengths]
             if _read_into(fd, pieces[name], data_start + entries[name][2], path) != meta["arrays"][name]["crc32"]:
                 raise StateFileError(f"ExGRPO buffer file is corrupted (checksum of '{name}' differs): {path}")
+    masks = pieces.get("model_mask", [None] * len(pieces["logps"]))
     return [
-        Trajectory(ids, logps, int(step))
-        for ids, logps, step in zip(pieces["completion_ids"], pieces["logps"], steps.tolist())
+        Trajectory(ids, logps, int(step), mask)
+        for ids, logps, step, mask in zip(pieces["completion_ids"], pieces["logps"], steps.tolist(), masks)
     ]
 
 
@@ -333,10 +354,10 @@ def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
     if meta.get("format") != FORMAT_NAME:
         raise StateFileError(f"{path} is not an ExGRPO state file (format {meta.get('format')!r})")
     _field(path, meta, "format_version", "", "an integer")
-    if meta["format_version"] != FORMAT_VERSION:  # before the shape checks: another version may have another shape
+    if meta["format_version"] not in READABLE_VERSIONS:  # before the shape checks: another shape, perhaps
         raise StateFileError(
             f"{path} was written in ExGRPO state format version {meta['format_version']}, this version of "
-            f"exgrpo-trl reads version {FORMAT_VERSION}"
+            f"exgrpo-trl reads version {' or '.join(map(str, READABLE_VERSIONS))}"
         )
     _check_shape(path, meta)
     return meta
@@ -356,6 +377,7 @@ _KINDS = {  # how a field's expected kind is named in messages -> the test
     "a non-negative integer": lambda v: _is_int(v) and v >= 0,
     "a number": lambda v: _is_int(v) or isinstance(v, float),
     "an integer or null": lambda v: v is None or _is_int(v),
+    "an object or null": lambda v: v is None or isinstance(v, dict),
 }
 
 
@@ -422,6 +444,8 @@ def _check_shape(path: Path, meta: dict[str, Any]) -> None:
         ):
             _field(path, question, key, where, kind)
         _field(path, question, "bucket_position", where, "an integer", optional=True)  # older states lack it
+        for j, record in enumerate(_field(path, question, "records", where, "an array", optional=True) or []):
+            _expect(path, f"{where}.records[{j}]", record, "an object or null")  # format 2 only
     for i, key in enumerate(_field(path, buffer, "retired", "buffer", "an array")):
         _expect(path, f"buffer.retired[{i}]", key, "a string")
 
