@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
+import json
 import math
 import os
 import textwrap
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -35,7 +38,7 @@ from .replay import (
     replay_count,
     select_lowest,
 )
-from .scoring import masked_mean_per_row, pad_prompt_completion
+from .scoring import masked_mean_per_row, model_token_mask, pad_prompt_completion
 from .state import has_state, load_state, read_meta, save_state
 
 logger = logging.get_logger(__name__)
@@ -45,6 +48,15 @@ METRIC_PREFIX = "exgrpo/"
 # benchmark's CPU model took 62.8 ms in chunks of 16, 55.6 ms in chunks of 32 and 60.0 ms in chunks of 48.
 SCORING_CHUNK_ROWS = 32
 REPLAYED_COLUMN = "exgrpo_replayed"  # column of the completions table marking replayed rows
+ENVIRONMENT_OWNED_DATA = (
+    "ExGRPOTrainer needs a train_dataset with a 'prompt' column when environment_factory is given: without one the "
+    "environment picks each question in reset(), so a replayed question's fresh rollouts cannot be put back on it; "
+    "pass the questions as a train_dataset (each row is given to reset(**row)), or train with GRPOTrainer."
+)
+IMAGE_INPUTS = (
+    "ExGRPOTrainer does not support image inputs: the experience buffer keeps each question's dataset row in the "
+    "checkpoint's JSON state and scores stored trajectories with text-only forward passes (see the README)."
+)
 
 
 @dataclass
@@ -54,8 +66,13 @@ class GenerationBatch:
 
     plan: ReplayPlan | None  # what is replayed (the same on every rank)
     rows: RowAssignment  # this rank's rows: which carry a replayed question, which a stored trajectory
-    completion_ids: list[list[int]] | None = None  # this rank's completions after splicing (`_generate_single_turn`)
-    rewards: torch.Tensor | None = None  # (N_global, F): every rank's rewards, gathered (`_calculate_rewards`)
+    turns: int = 0  # `_generate_single_turn` calls so far: the first is the first turn of every row
+    # What TRL handed the reward functions (`_calculate_rewards`), this rank's rows, replayed ones included:
+    completion_ids: list[list[int]] | None = None  # whole (multi-turn) completions
+    prompts: list[Any] | None = None  # the prompts, as an environment's reset() may have completed them
+    completions: list[Any] | None = None  # decoded completions (with a tool loop: its message lists)
+    fields: list[dict[str, Any]] | None = None  # per row, the columns a rollout function added to the dataset row
+    rewards: torch.Tensor | None = None  # (N_global, F): every rank's rewards, gathered
 
 
 def threshold_mismatch(
@@ -107,6 +124,13 @@ def replay_never_fires(cfg: ExGRPOConfig) -> str | None:
     )
 
 
+def _plain(value):
+    """JSON fallback for what reward functions see: numpy and torch values as plain numbers and lists."""
+    if isinstance(value, (np.generic, np.ndarray, torch.Tensor)):
+        return value.tolist()
+    raise TypeError(f"a value of type {type(value).__name__}")
+
+
 def _check_prompt_column(dataset, name: str) -> None:
     """GRPOTrainer reads each row's 'prompt' only at the first step, where a missing column is a bare KeyError."""
     columns = getattr(dataset, "column_names", None)  # None: no dataset, or one that does not know its columns
@@ -136,21 +160,34 @@ class ExGRPOTrainer(GRPOTrainer):
     1. `_generate_and_score_completions(inputs)`: commits any outcome still pending; `_exgrpo_make_plan` draws the
        replayed questions on the main process, broadcasts them, and scores their candidates for entropy on every
        rank (the same number of forward passes each); `assign_rows` gives the K rows of each replayed group to its
-       question. A `GenerationBatch` holding the plan and the rows is created, then `super()` runs, which calls:
-       2. `_generate_single_turn`: generates the fresh rows (skipping the reserved ones where the backend allows),
-          puts each stored trajectory in its reserved row, and records the completions in the `GenerationBatch`;
-       3. `_calculate_rewards`: records the rewards TRL gathered across ranks in the `GenerationBatch`.
-       TRL then pads, computes old log-probs and advantages over the whole mixed groups as usual.
+       question (TRL resets a replayed group's environments from that row). A `GenerationBatch` holding the plan
+       and the rows is created, then `super()` runs, which calls:
+       2. `_generate_single_turn`, its first call (the first turn of every row): generates the fresh rows (skipping
+          the reserved ones where the backend allows) and puts each stored trajectory, whole, in its reserved row;
+       2b. with tools or environments, `_tool_call_loop`: the splice is completed here, because this is where a
+          whole multi-turn completion is first known (the loop calls `_generate_single_turn` again for each later
+          turn of the rows that called a tool, with only those rows) and the only place a row can be kept from the
+          tools: the reserved rows are hidden from the loop, so none of a stored trajectory's calls runs again, and
+          once the fresh rows' completions are whole each reserved row gets its stored model mask (TRL's
+          `tool_mask`) and message list (its tool calls and answers, as the reward functions saw them);
+       2c. with a `rollout_func`, `_generate`: the function produces every row (as vLLM server mode does), and its
+          output gets the stored trajectories (ids, `env_mask`, the per-row fields it returned) before TRL decodes it;
+       3. `_calculate_rewards`: records what the reward functions were given and the rewards TRL gathered across
+          ranks; an environment-owned reward (`get_reward`) of a replayed row is the one stored with it (its
+          environment was reset, not stepped).
+       TRL then decodes, pads, masks the tool tokens, computes old log-probs and advantages over the whole mixed
+       groups as usual.
     4. Back in `_generate_and_score_completions`, `_exgrpo_after_scoring` reads the success counts, schedules the
        collection (`PendingCollection`), adds per-row keys to the batch (replay mask, behaviour log-probs, collect
        mask), checks the delayed start and logs; the `GenerationBatch` is dropped.
     5. `_compute_loss`, once per micro-batch: `super()` computes TRL's loss with the replayed rows' advantages set
        to 0 (their tokens add nothing but still count in the normaliser), inside `_exgrpo_capture_logps`, which
        keeps the policy log-probs of TRL's own forward (`_get_per_token_logps_and_entropies`). The shaped replayed
-       term -f(w) * A is added with the same normaliser. During the first pass over the batch the behaviour
-       log-probs of the rows to store are recorded (TRL's old log-probs, or the detached ones of this pass when
-       TRL skips them); after the last micro-batch of that pass, `_exgrpo_flush` gathers every rank's outcome and
-       commits it to the buffer.
+       term -f(w) * A is added with the same normaliser, over the model's tokens only (a tool's or an environment's
+       never carry a gradient, as in TRL; entropy scoring covers the model's tokens too). During the first pass
+       over the batch the behaviour log-probs of the rows to store are recorded (TRL's old log-probs, or the
+       detached ones of this pass when TRL skips them) with their model masks; after the last micro-batch of that
+       pass, `_exgrpo_flush` gathers every rank's outcome and commits it to the buffer.
 
     `last_replay_plan` holds the plan of the last training generation batch (None when nothing was replayed), for
     callbacks and studies to read.
@@ -166,9 +203,10 @@ class ExGRPOTrainer(GRPOTrainer):
     A generation batch too small for `replay_ratio` to replay one question (floor(rho x questions) = 0, as with TRL's
     default 8 rows and K = 8) would never replay: `replay_never_fires` says so at init.
 
-    Not supported yet (rejected at init): tools, `environment_factory`, `rollout_func`, image inputs. Replayed
-    tokens are not affected by `top_entropy_quantile`, `off_policy_mask_threshold` or sequence-level importance
-    sampling, which apply to fresh tokens as in TRL.
+    Rejected at init: image inputs (`IMAGE_INPUTS`), and `environment_factory` without a train_dataset holding the
+    questions (`ENVIRONMENT_OWNED_DATA`: the environment would pick the question, so a replayed group could not be
+    put back on it). Replayed tokens are not affected by `top_entropy_quantile`, `off_policy_mask_threshold` or
+    sequence-level importance sampling, which apply to fresh tokens as in TRL.
     """
 
     _tag_names = ["trl", "grpo", "exgrpo"]
@@ -190,12 +228,10 @@ class ExGRPOTrainer(GRPOTrainer):
     def __init__(self, *args, **kwargs):
         bound = inspect.signature(GRPOTrainer.__init__).bind(None, *args, **kwargs)
         params = bound.arguments
-        for name in ("tools", "rollout_func", "environment_factory"):
-            if params.get(name):
-                raise NotImplementedError(
-                    f"ExGRPOTrainer does not support `{name}` yet: replaying stored trajectories through tool calls "
-                    "or custom rollouts is not implemented. Use GRPOTrainer for this setup."
-                )
+        if params.get("environment_factory") is not None:
+            columns = getattr(params.get("train_dataset"), "column_names", None)
+            if params.get("train_dataset") is None or (columns is not None and "prompt" not in columns):
+                raise ValueError(ENVIRONMENT_OWNED_DATA)
         config = params.get("args")
         if config is None:
             params["args"] = ExGRPOConfig("ExGRPO")
@@ -210,14 +246,20 @@ class ExGRPOTrainer(GRPOTrainer):
             raise TypeError(f"ExGRPOTrainer needs an ExGRPOConfig, got {kind}. {hint}.")
         columns = getattr(params.get("train_dataset"), "column_names", None) or []
         if "image" in columns or "images" in columns:
-            raise NotImplementedError("ExGRPOTrainer does not support image inputs yet.")
+            raise NotImplementedError(IMAGE_INPUTS)
         _check_prompt_column(params.get("train_dataset"), "train_dataset")
         eval_dataset = params.get("eval_dataset")
         for name, dataset in eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]:
             _check_prompt_column(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset")
 
         params.pop("self")
+        reward_funcs = params.get("reward_funcs")
+        num_user_rewards = 0 if reward_funcs is None else len(reward_funcs) if isinstance(reward_funcs, list) else 1
         super().__init__(**params)
+        if self._is_vlm:
+            raise NotImplementedError(IMAGE_INPUTS)
+        # The reward columns TRL adds for environments that own their reward (`get_reward`), after the user's own.
+        self._exgrpo_env_reward_columns = list(range(num_user_rewards, len(self.reward_funcs)))
 
         if self.loss_type not in SUPPORTED_LOSS_TYPES:
             raise ValueError(f"ExGRPOTrainer supports loss_type in {SUPPORTED_LOSS_TYPES}, got {self.loss_type!r}")
@@ -244,6 +286,7 @@ class ExGRPOTrainer(GRPOTrainer):
         self._exgrpo_captured: list[torch.Tensor] | None = None  # open while `_exgrpo_capture_logps` is
         self._exgrpo_sampler: SkipRetiredSampler | None = None
         self._exgrpo_threshold_warned = False  # `_exgrpo_check_threshold` speaks once per run
+        self._exgrpo_record_warned = False  # `_exgrpo_row_record` speaks once per run
         # The plan of the last training generation batch (None: nothing replayed), for callbacks and studies.
         self.last_replay_plan: ReplayPlan | None = None
 
@@ -273,7 +316,8 @@ class ExGRPOTrainer(GRPOTrainer):
         self._pending_extra_logs[REPLAYED_COLUMN].extend(rows.is_replayed(i) for i in range(len(inputs)))
         batch = self._exgrpo_batch = GenerationBatch(plan, rows)
         try:
-            output = super()._generate_and_score_completions(rows.inputs)
+            # copies: TRL adds a rollout function's fields to the rows it is given, and the buffer keeps the dataset's
+            output = super()._generate_and_score_completions([dict(x) for x in rows.inputs])
         finally:
             self._exgrpo_batch = None
         self._exgrpo_after_scoring(batch, output)
@@ -281,7 +325,12 @@ class ExGRPOTrainer(GRPOTrainer):
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         batch = self._exgrpo_batch  # None outside a training generation batch
-        splice = batch.rows.splice if batch is not None else {}
+        # Only the first call holds every row: the tool loop calls again for the rows that called a tool, and with a
+        # rollout function the rows are the function's (spliced in `_generate`).
+        first_turn = batch is not None and batch.turns == 0 and self.rollout_func is None
+        splice = batch.rows.splice if first_turn else {}
+        if batch is not None:
+            batch.turns += 1
         rows = list(range(len(prompt_ids)))
         if self._exgrpo_can_skip_spliced_rows(splice, prompt_ids, images, multimodal_fields):
             rows = [i for i in rows if i not in splice]  # do not sample a completion only to discard it
@@ -302,9 +351,57 @@ class ExGRPOTrainer(GRPOTrainer):
                     # correction leaves the replayed row alone (its own weight is applied in the loss).
                     full_logprobs[row] = [None] * len(ids)
             completion_ids, logprobs = full_ids, full_logprobs
-        if batch is not None:
-            batch.completion_ids = [list(ids) for ids in completion_ids]
         return completion_ids, logprobs
+
+    def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+        # Where a whole multi-turn completion becomes known: the stored trajectory (spliced whole at the first turn)
+        # is kept out of the loop, so none of its tool calls runs again, and gets its model mask and message list.
+        batch = self._exgrpo_batch
+        splice = batch.rows.splice if batch is not None else {}
+        parsed = {row: completions[row] for row in splice}
+        for row in splice:
+            completions[row] = [{"role": "assistant", "content": ""}]  # no tool call: the loop leaves the row alone
+        tool_mask, completions, completion_ids, logprobs, *rest = super()._tool_call_loop(
+            prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields
+        )
+        for row in splice:
+            j = batch.rows.replay_rows[row]
+            tool_mask[row] = batch.plan.mask(j)
+            completions[row] = copy.deepcopy(batch.plan.record(j).get("completion", parsed[row]))
+        return (tool_mask, completions, completion_ids, logprobs, *rest)
+
+    def _generate(self, prompts):
+        # A rollout function produces every row; its output gets the stored trajectories before TRL decodes it.
+        batch = self._exgrpo_batch
+        rollout_func = self.rollout_func
+        if batch is None or rollout_func is None or not batch.rows.splice:
+            return super()._generate(prompts)
+        self.rollout_func = lambda prompts, trainer: self._exgrpo_splice_rollout(rollout_func(prompts, trainer), batch)
+        try:
+            return super()._generate(prompts)
+        finally:
+            self.rollout_func = rollout_func
+
+    def _exgrpo_splice_rollout(self, output: dict[str, Any], batch: GenerationBatch) -> dict[str, Any]:
+        """A rollout function's output with each reserved row replaced by its stored trajectory: token ids, model
+        mask (`env_mask`, created for every row if the function returned none), the per-row fields the function
+        returned for it when it was stored, and unknown sampling log-probs (NaN: vLLM's correction leaves it at 1)."""
+        plan, n = batch.plan, len(output["completion_ids"])
+        output = {key: list(value) if isinstance(value, list) else value for key, value in output.items()}
+        completion_ids, logprobs = output["completion_ids"], output["logprobs"]
+        if output.get("env_mask") is None and any(m is not None for m in plan.masks):
+            output["env_mask"] = [[1] * len(ids) for ids in completion_ids]
+        for row in batch.rows.splice:
+            j = batch.rows.replay_rows[row]
+            completion_ids[row] = list(plan.completion_ids[j])
+            if logprobs is not None:
+                logprobs[row] = [None] * len(completion_ids[row])
+            if output.get("env_mask") is not None:
+                output["env_mask"][row] = plan.mask(j)
+            for key, value in plan.record(j).get("fields", {}).items():
+                if isinstance(output.get(key), list) and len(output[key]) == n:
+                    output[key][row] = copy.deepcopy(value)
+        return output
 
     def _exgrpo_can_skip_spliced_rows(self, splice, prompt_ids, images, multimodal_fields) -> bool:
         """Whether the rows a stored trajectory takes can be left out of generation.
@@ -321,9 +418,28 @@ class ExGRPOTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if self._exgrpo_batch is not None:
-            self._exgrpo_batch.rewards = rewards_per_func
+        batch = self._exgrpo_batch
+        if batch is not None:
+            self._exgrpo_use_stored_env_rewards(batch, rewards_per_func)
+            batch.rewards = rewards_per_func
+            batch.completion_ids = [list(ids) for ids in completion_ids_list]
+            batch.prompts, batch.completions = list(prompts), list(completions)
+            batch.fields = [{k: v for k, v in x.items() if k not in row} for x, row in zip(inputs, batch.rows.inputs)]
         return rewards_per_func
+
+    def _exgrpo_use_stored_env_rewards(self, batch: GenerationBatch, rewards: torch.Tensor) -> None:
+        """A stored trajectory's tool calls are not run again, so its environment is only reset: an environment-owned
+        reward (`get_reward`) of a replayed row is the one its environment gave when the trajectory was stored."""
+        plan = batch.plan
+        if plan is None or not plan.with_trajectories or not self._exgrpo_env_reward_columns:
+            return
+        for j, group in enumerate(plan.group_indices):
+            stored = plan.record(j).get("rewards", {})
+            for column in self._exgrpo_env_reward_columns:
+                name = self.reward_func_names[column]
+                if name in stored:
+                    value = stored[name]
+                    rewards[group * self.num_generations, column] = math.nan if value is None else value
 
     # ------------------------------------------------------------------------------------------ replay plan
     def _exgrpo_make_plan(self, num_local: int) -> ReplayPlan | None:
@@ -353,13 +469,18 @@ class ExGRPOTrainer(GRPOTrainer):
         chosen = [0] * len(drawn)
         selected_entropies = []
         if scored and cfg.trajectory_selection != "random" and cfg.replay_stored_trajectory:
-            prompt_ids = self._tokenize_prompts([drawn[i].row["prompt"] for i in scored])[0]
-            flat_prompts, flat_completions = [], []
-            for j, i in enumerate(scored):
-                for candidate in drawn[i].candidates:
-                    flat_prompts.append(prompt_ids[j])
-                    flat_completions.append(candidate.completion_ids)
-            entropies = self._exgrpo_score_entropies(flat_prompts, flat_completions)
+            # each candidate under the prompt it was sampled with (an environment's reset() may have completed it)
+            candidates = [(drawn[i].row, c) for i in scored for c in drawn[i].candidates]
+            flat_prompts = self._exgrpo_tokenize_prompts(
+                [row for row, _ in candidates],
+                [(c.record or {}).get("prompt", row["prompt"]) for row, c in candidates],
+            )
+            flat_completions = [c.completion_ids for _, c in candidates]
+            masks = [c.mask for _, c in candidates]  # None: every token is the model's (single-turn)
+            if any(mask is not None for mask in masks):
+                entropies = self._exgrpo_score_entropies(flat_prompts, flat_completions, masks)
+            else:  # the two-argument call subclasses (benchmarks, tests) override
+                entropies = self._exgrpo_score_entropies(flat_prompts, flat_completions)
             start = 0
             for i in scored:
                 scores = entropies[start : start + len(drawn[i].candidates)]
@@ -368,9 +489,23 @@ class ExGRPOTrainer(GRPOTrainer):
                 start += len(drawn[i].candidates)
         return ReplayPlan.build(drawn, chosen, num_groups, selected_entropies, cfg.replay_stored_trajectory)
 
+    def _exgrpo_tokenize_prompts(self, rows: list[dict[str, Any]], prompts: list[Any]) -> list[list[int]]:
+        """Token ids of `prompts` as TRL renders them for generation (with the tools of each row's environment)."""
+        if self.environment_factories is None:
+            return self._tokenize_prompts(prompts)[0]
+        saved = getattr(self, "_batch_environments", None)  # TRL sets it per generation batch, before generating
+        self._batch_environments = [row.get("environment") if self._multi_environment else None for row in rows]
+        try:
+            return self._tokenize_prompts(prompts)[0]
+        finally:
+            self._batch_environments = saved
+
     @torch.no_grad()
-    def _exgrpo_score_entropies(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> torch.Tensor:
-        """Mean per-token entropy of each (prompt, completion) under the current policy, over its completion only.
+    def _exgrpo_score_entropies(
+        self, prompt_ids: list[list[int]], completion_ids: list[list[int]], masks: list | None = None
+    ) -> torch.Tensor:
+        """Mean per-token entropy of each (prompt, completion) under the current policy, over the model's tokens of
+        its completion only (`masks`: per row, 1 for the model's tokens; None: all of them).
 
         The candidates are split evenly over the ranks, each rank padding its share to the same number of rows, so
         every rank runs the same number of forward passes (DeepSpeed ZeRO-3 hangs otherwise); results are gathered.
@@ -380,12 +515,18 @@ class ExGRPOTrainer(GRPOTrainer):
         per_rank = math.ceil(total / world)
         mine = list(range(rank * per_rank, min((rank + 1) * per_rank, total)))
         mine += [mine[-1] if mine else 0] * (per_rank - len(mine))  # padding rows: scored, then discarded
-        entropies = self._exgrpo_mean_entropies([prompt_ids[i] for i in mine], [completion_ids[i] for i in mine])
+        masks = [None] * total if masks is None else masks
+        entropies = self._exgrpo_mean_entropies(
+            [prompt_ids[i] for i in mine], [completion_ids[i] for i in mine], [masks[i] for i in mine]
+        )
         return self.accelerator.gather(entropies).cpu()[:total]
 
     @torch.no_grad()
-    def _exgrpo_mean_entropies(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> torch.Tensor:
-        """Mean completion entropy of each row, in forward passes over rows of similar length.
+    def _exgrpo_mean_entropies(
+        self, prompt_ids: list[list[int]], completion_ids: list[list[int]], masks: list | None = None
+    ) -> torch.Tensor:
+        """Mean entropy of each row over its completion's model tokens (`masks`, None: all of them), in forward
+        passes over rows of similar length.
 
         Rows are sorted by length and cut into chunks of at most `per_device_train_batch_size` and at most
         SCORING_CHUNK_ROWS rows, each padded only to its own longest row: stored trajectories vary a lot in length,
@@ -393,6 +534,7 @@ class ExGRPOTrainer(GRPOTrainer):
         on the number of rows, which is the same on every rank.
         """
         n = len(completion_ids)
+        masks = [None] * n if masks is None else masks
         lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
         order = sorted(range(n), key=lengths.__getitem__)
         chunk_rows = max(1, min(self.args.per_device_train_batch_size, SCORING_CHUNK_ROWS))
@@ -414,9 +556,8 @@ class ExGRPOTrainer(GRPOTrainer):
                     batch_size=len(rows),
                     compute_entropy=True,
                 )
-                means[torch.tensor(rows, device=means.device)] = masked_mean_per_row(
-                    entropies.float(), completion_mask
-                )
+                model_tokens = completion_mask * model_token_mask([masks[i] for i in rows], completion_mask)  # (B, C)
+                means[torch.tensor(rows, device=means.device)] = masked_mean_per_row(entropies.float(), model_tokens)
         return means
 
     def _exgrpo_apply_plan(self, inputs: list[dict], plan: ReplayPlan | None) -> RowAssignment:
@@ -431,6 +572,10 @@ class ExGRPOTrainer(GRPOTrainer):
         self._exgrpo_check_threshold(batch.rewards, outcome)
         collecting = self.exgrpo_state["replay_active"]  # the state this batch was generated under
         spg = self.args.steps_per_generation
+        tool_mask = output.get("tool_mask")  # (B, T): 0 where a tool or an environment inserted the token
+        masks = None
+        if tool_mask is not None:
+            masks = [tool_mask[i, : len(ids)].tolist() for i, ids in enumerate(batch.completion_ids)]
         self._exgrpo_pending = collect(
             batch.rows,
             outcome,
@@ -441,7 +586,14 @@ class ExGRPOTrainer(GRPOTrainer):
             stop_ids={*self.eos_token_ids, self._tokenizer.pad_token_id},
             micro_batches_left=spg - self._step % spg,
             step=self.state.global_step,
+            masks=masks,
         )
+        for local in list(self._exgrpo_pending.rows):
+            record = self._exgrpo_row_record(batch, local)
+            if record is False:  # what the reward functions saw of it cannot be saved: not stored
+                del self._exgrpo_pending.rows[local]
+            else:
+                self._exgrpo_pending.rows[local].record = record
         self._exgrpo_add_row_keys(output, batch, self._exgrpo_pending)
         # generated after replay started (never with replay_ratio 0): no clip on fresh tokens
         if cfg.remove_clip_after_replay_start and collecting and cfg.replay_ratio > 0:
@@ -450,6 +602,35 @@ class ExGRPOTrainer(GRPOTrainer):
             )
         self._exgrpo_check_delayed_start(outcome)
         self._exgrpo_log_batch_metrics(batch, outcome, collecting)
+
+    def _exgrpo_row_record(self, batch: GenerationBatch, local: int) -> dict[str, Any] | None | bool:
+        """What the reward functions were given for this rank's row `local` beyond its token ids, for a replay to
+        give them again without running a tool or an environment (`Trajectory.record`): the message list of a tool
+        loop, environment-owned rewards, a rollout function's per-row fields, the prompt as an environment's reset()
+        completed it. None when there is nothing of the kind (single-turn training); False when it is not JSON."""
+        record: dict[str, Any] = {}
+        if self.tools:
+            record["completion"] = batch.completions[local]
+        if self._exgrpo_env_reward_columns:
+            row = self.accelerator.process_index * len(batch.rows.inputs) + local
+            values = [batch.rewards[row, c].item() for c in self._exgrpo_env_reward_columns]
+            names = [self.reward_func_names[c] for c in self._exgrpo_env_reward_columns]
+            record["rewards"] = {name: None if math.isnan(v) else v for name, v in zip(names, values)}
+        if batch.fields[local]:
+            record["fields"] = batch.fields[local]
+        if batch.prompts[local] != batch.rows.inputs[local].get("prompt"):
+            record["prompt"] = batch.prompts[local]
+        if not record:
+            return None
+        try:  # a deep copy, in the form state.json saves it
+            return json.loads(json.dumps(record, allow_nan=False, default=_plain))
+        except (TypeError, ValueError) as e:
+            if not self._exgrpo_record_warned:
+                logger.warning(
+                    f"ExGRPO: a successful rollout is not stored: what its reward functions saw is not JSON ({e})"
+                )
+                self._exgrpo_record_warned = True
+            return False
 
     def _exgrpo_check_threshold(self, rewards: torch.Tensor, outcome: BatchOutcome) -> None:
         """Warn once per run when the success threshold does not separate this batch's rollouts (`threshold_mismatch`).
@@ -521,8 +702,8 @@ class ExGRPOTrainer(GRPOTrainer):
         if not keep_pending:
             self._exgrpo_pending = None
         trajectories = [
-            (pending.rows[local].global_row, pending.rows[local].key, ids, logps)
-            for local, (ids, logps) in pending.trajectories.items()
+            (pending.rows[local].global_row, pending.rows[local].key, ids, logps, mask, pending.rows[local].record)
+            for local, (ids, logps, mask) in pending.trajectories.items()
         ]
         pending.trajectories = {}
         gathered = gather_object([(pending.groups, trajectories)])
@@ -670,10 +851,12 @@ class ExGRPOTrainer(GRPOTrainer):
         behaviour = inputs.get("old_per_token_logps")
         behaviour = per_token_logps.detach() if behaviour is None else behaviour  # (B, T)
         rows = inputs["exgrpo_row"].tolist()
+        tool_mask = inputs.get("tool_mask")  # (B, T): 0 where a tool or an environment inserted the token
         for position in inputs["exgrpo_collect"].nonzero().flatten().tolist():
             length = int(inputs["completion_mask"][position].sum())
             ids = inputs["completion_ids"][position, :length].tolist()
-            pending.trajectories[rows[position]] = (ids, behaviour[position, :length].float().cpu().tolist())
+            mask = None if tool_mask is None else tool_mask[position, :length].tolist()
+            pending.trajectories[rows[position]] = (ids, behaviour[position, :length].float().cpu().tolist(), mask)
         pending.micro_batches_left -= 1
         if pending.micro_batches_left == 0:
             self._exgrpo_flush()

@@ -129,11 +129,11 @@ class RecordingTrainer(ExGRPOTrainer):
             self._generating = False
 
     # ---------------------------------------------------------------------------------------- scoring
-    def _exgrpo_score_entropies(self, prompt_ids, completion_ids):
+    def _exgrpo_score_entropies(self, prompt_ids, completion_ids, masks=None):
         before = self.scoring_forwards
         self._in_scoring = True
         try:
-            result = self._score(prompt_ids, completion_ids)
+            result = self._score(prompt_ids, completion_ids, masks)
         finally:
             self._in_scoring = False
         self.rec["scoring"].append(
@@ -146,9 +146,9 @@ class RecordingTrainer(ExGRPOTrainer):
         )
         return result
 
-    def _score(self, prompt_ids, completion_ids):
+    def _score(self, prompt_ids, completion_ids, masks):
         if not self._break_padding:
-            return super()._exgrpo_score_entropies(prompt_ids, completion_ids)
+            return super()._exgrpo_score_entropies(prompt_ids, completion_ids, masks)
         # The same contiguous shares as the real method, without padding them to the same number of rows: with 2B+1
         # candidates one rank runs two forward passes and the other one.
         from accelerate.utils import gather_object
@@ -158,7 +158,10 @@ class RecordingTrainer(ExGRPOTrainer):
         mine = list(range(rank * per_rank, min((rank + 1) * per_rank, total)))
         values = []
         if mine:
-            values = self._exgrpo_mean_entropies([prompt_ids[i] for i in mine], [completion_ids[i] for i in mine])
+            masks = [None] * total if masks is None else masks
+            values = self._exgrpo_mean_entropies(
+                [prompt_ids[i] for i in mine], [completion_ids[i] for i in mine], [masks[i] for i in mine]
+            )
             values = values.tolist()
         return torch.tensor([x for part in gather_object([values]) for x in part])
 
@@ -170,7 +173,7 @@ class RecordingTrainer(ExGRPOTrainer):
                 {
                     "step": self.state.global_step,
                     "trajectories": [
-                        [pending.rows[local].key, ids] for local, (ids, _) in sorted(pending.trajectories.items())
+                        [pending.rows[local].key, ids] for local, (ids, *_) in sorted(pending.trajectories.items())
                     ],
                     "groups": [[g.group, g.key, g.k] for g in pending.groups],
                 }

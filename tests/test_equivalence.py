@@ -119,3 +119,57 @@ def test_replayed_rows_share_trls_normaliser(tmp_path, tokenizer, loss_type):
     for (name, p), (_, q) in zip(grpo.model.named_parameters(), ex.model.named_parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-5), name
     assert any(p.grad.abs().sum() > 0 for p in ex.model.parameters())
+
+
+def _multi_turn_setup(mode: str):
+    """The task, reward and GRPOTrainer keyword of one multi-turn rollout mode (tests/tool_tasks.py)."""
+    from .tool_tasks import add, calculator_reward, calculator_rollout, env_classes, mul, rollout_reward
+
+    calculator, scored, _, _ = env_classes()
+    return {
+        "tools": (calculator_reward, {"tools": [add, mul]}),
+        "environment_factory": (calculator_reward, {"environment_factory": calculator}),
+        "environment-owned reward": (None, {"environment_factory": scored}),
+        "rollout_func": (rollout_reward, {"rollout_func": calculator_rollout}),
+    }[mode]
+
+
+@pytest.mark.parametrize("mode", ["tools", "environment_factory", "environment-owned reward", "rollout_func"])
+def test_replay_ratio_zero_is_grpo_bitwise_multi_turn(tmp_path, monkeypatch, mode):
+    """The same with multi-turn rollouts: tools run by TRL's tool loop, environments reset from the dataset rows, a
+    rollout function with its own tool loop (`env_mask`). Three steps, learning rate 1e-3 so that the policy (and
+    with it which rollouts call which tool) moves between steps."""
+    from .tool_tasks import build_tool_tokenizer, calculator_dataset, make_tool_model, one_thread
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    tokenizer = build_tool_tokenizer()
+    kwargs = config_kwargs(tmp_path, max_steps=3, max_completion_length=32, learning_rate=1e-3)
+    runs = []
+    for trainer_cls, config in (
+        (GRPOTrainer, GRPOConfig(**kwargs)),
+        (ExGRPOTrainer, ExGRPOConfig(replay_ratio=0.0, replay_start_pass_rate=0.0, **kwargs)),
+    ):
+        reward, extra = _multi_turn_setup(mode)  # fresh environment classes for each trainer
+        trainer = trainer_cls(
+            model=make_tool_model(tokenizer),
+            reward_funcs=reward,
+            args=config,
+            train_dataset=calculator_dataset(),
+            processing_class=tokenizer,
+            **extra,
+        )
+        with one_thread():
+            trainer.train()
+        runs.append(trainer)
+    grpo, ex = runs
+
+    # The bookkeeping ran on multi-turn trajectories (stored with their tool tokens masked out) ...
+    stored = list(ex.experience_buffer.iter_trajectories())
+    assert stored and any(t.mask is not None and not t.mask.all() for t in stored)
+    # ... and did not perturb training.
+    for (name, p_grpo), (_, p_ex) in zip(grpo.model.named_parameters(), ex.model.named_parameters()):
+        assert torch.equal(p_grpo, p_ex), name
+    initial = make_tool_model(tokenizer)
+    assert any(not torch.equal(p, q) for p, q in zip(initial.parameters(), ex.model.parameters()))  # it trained
+    losses = lambda t: [h["loss"] for h in t.state.log_history if "loss" in h]  # noqa: E731
+    assert losses(grpo) == losses(ex)
