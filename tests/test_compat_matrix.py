@@ -3,8 +3,10 @@ really firing.
 
 Every case trains the tiny model of `conftest.py` on its synthetic task (an untrained model ends about half of its
 completions with EOS, so groups land in every success bucket from the first batch) with replay on from the first
-step (`replay_start_pass_rate=0`), 3-4 steps. Every case then checks, from the recorded batches (`RecordingTrainer`)
-and the reward functions' own record of what they were given and returned:
+step (`replay_start_pass_rate=0`), 3-4 steps; the multi-turn cases (tools, environment_factory with one environment
+or a dict of them, rollout_func) train the calculator task of `tool_tasks.py` instead, whose rollouts call tools.
+Every case then checks, from the recorded batches (`RecordingTrainer`) and the reward functions' own record of what
+they were given and returned:
 
 - replay fired: each generation batch replayed min(#buffer questions, floor(rho * #groups)) groups, more than 0 in
   all; a replayed group is its question's K rows with the selected stored trajectory in its first row, which is
@@ -139,6 +141,43 @@ CHAT_TEMPLATE = (
 
 
 # ------------------------------------------------------------------------------------------------ setups
+MULTI_TURN = ("tools", "environment_factory", "environment_factory dict", "rollout_func")
+
+
+def multi_turn_setup(setup: str, rewards: RewardLog):
+    """The calculator task of tests/tool_tasks.py in one multi-turn mode: (tokenizer, model, dataset, reward
+    functions, GRPOTrainer keywords). The environment-owned reward has its own exact checks in test_multi_turn.py."""
+    from datasets import concatenate_datasets
+
+    from .tool_tasks import (
+        add,
+        build_tool_tokenizer,
+        calculator_dataset,
+        calculator_reward,
+        calculator_rollout,
+        env_classes,
+        make_tool_model,
+        mul,
+        rollout_reward,
+    )
+
+    tokenizer = build_tool_tokenizer()
+    calculator, _, adder, multiplier = env_classes()
+    dataset, reward = calculator_dataset(), calculator_reward
+    if setup == "tools":
+        extra = {"tools": [add, mul]}
+    elif setup == "environment_factory":
+        extra = {"environment_factory": calculator}
+    elif setup == "environment_factory dict":
+        adds = calculator_dataset(16, "+").map(lambda row: {"environment": "adder"})
+        muls = calculator_dataset(16, "*", start=16).map(lambda row: {"environment": "multiplier"})
+        dataset = concatenate_datasets([adds, muls])
+        extra = {"environment_factory": {"adder": adder, "multiplier": multiplier}}
+    else:
+        reward, extra = rollout_reward, {"rollout_func": calculator_rollout}
+    return tokenizer, make_tool_model(tokenizer), dataset, [rewards.wrap(reward, "calculator")], extra
+
+
 @dataclasses.dataclass
 class Run:
     trainer: RecordingTrainer
@@ -167,7 +206,11 @@ def build_run(setup: str, config: dict, out_dir, tokenizer, model_dir) -> Run:
     model: PreTrainedModel | str = make_model(tokenizer)
     extra: dict[str, Any] = {}
     config = dict(config)
-    if setup == "conversational":
+    if setup in MULTI_TURN:
+        processing_class, model, dataset, reward_funcs, extra = multi_turn_setup(setup, rewards)
+        config.setdefault("max_completion_length", 32)
+        config.setdefault("learning_rate", 1e-3)
+    elif setup == "conversational":
         from exgrpo_trl.tasks.toy import build_char_tokenizer
 
         processing_class = build_char_tokenizer()
@@ -590,6 +633,20 @@ def check_log_completions(run: Run, base: Run | None) -> None:
     assert any(logs["extra"]["exgrpo_replayed"])
 
 
+def check_multi_turn(run: Run, base: Run | None) -> None:
+    """Stored trajectories keep the tool's answer, masked out; a replayed row trains with its stored mask."""
+    trainer = run.trainer
+    assert any(t.mask is not None for t in trainer.experience_buffer.iter_trajectories())
+    for batch in trainer.batches:
+        plan, out = batch["plan"], batch["output"]
+        assert "tool_mask" in out
+        for j, group in enumerate(plan.group_indices if plan is not None else []):
+            ids = plan.completion_ids[j]
+            assert out["tool_mask"][group * K, : len(ids)].tolist() == plan.mask(j)
+    if trainer.rollout_func is None:
+        assert "tools/call_frequency" in run.history[0]  # TRL's tool loop ran
+
+
 def check_no_shuffle(run: Run, base: Run | None) -> None:
     first = run.trainer.batches[0]["prompts"]
     assert first == [p for p in synthetic_dataset()["prompt"][:4] for _ in range(K)]  # dataset order
@@ -709,6 +766,9 @@ CASES = [
     Case("temperature=0.7", {"temperature": 0.7}, check=check_temperature, paired="dr_grpo"),
     Case("log_completions", {"log_completions": True}, check=check_log_completions),
     Case("shuffle_dataset=False", {"shuffle_dataset": False}, check=check_no_shuffle),
+    # multi-turn rollouts (issue 27): tools run by TRL's loop, environments reset from the dataset rows, a rollout
+    # function with its own tool loop and env_mask
+    *[Case(setup, {}, setup=setup, check=check_multi_turn) for setup in MULTI_TURN],
 ]
 BY_ID = {case.id: case for case in CASES}
 
