@@ -55,7 +55,7 @@ ENVIRONMENT_OWNED_DATA = (
 )
 IMAGE_INPUTS = (
     "ExGRPOTrainer does not support image inputs: the experience buffer keeps each question's dataset row in the "
-    "checkpoint's JSON state and scores stored trajectories with text-only forward passes (see the README)."
+    "checkpoint's JSON state and scores stored trajectories with text-only forward passes; train with GRPOTrainer."
 )
 
 
