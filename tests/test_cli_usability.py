@@ -257,7 +257,7 @@ def test_math_reward_without_math_verify_fails_at_once(tmp_path):
     run = _without({"math_verify"}, code, tmp_path)
     assert run.stdout.splitlines() == [
         "ImportError: the math_verify reward needs math_verify, which is not installed: "
-        "pip install 'math-verify[antlr4_13_2]'"
+        "pip install 'math-verify[antlr4-13-2]'"
     ], run.stdout + run.stderr
 
 
@@ -286,7 +286,7 @@ def test_math_reward_scores_a_correct_answer():
             "math_verify",
             ["eval", "--model", "nowhere", "--benchmarks", "math500"],
             "exgrpo eval: error: exgrpo eval needs math_verify, which is not installed: pip install "
-            "'math-verify[antlr4_13_2]'",
+            "'math-verify[antlr4-13-2]'",
         ),
         (
             "vllm",
@@ -304,3 +304,70 @@ def test_a_missing_optional_package_stops_the_command_at_once(tmp_path, hidden, 
     run = _without({hidden}, f"from exgrpo_trl.cli import main; sys.exit(main({argv!r}))", tmp_path)
     assert run.returncode == 1 and run.stderr.splitlines() == [message], run.stderr[-3000:]
     assert time.perf_counter() - start < 30 and not (tmp_path / "demo-out").exists()
+
+
+# ----------------------------------------------------------------------------------------------------- CPU threads
+@pytest.fixture
+def two_threads(monkeypatch):
+    """torch on 2 threads (its default on a 2-core machine), OMP_NUM_THREADS unset; restored afterwards."""
+    import torch
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield torch
+    torch.set_num_threads(before)
+
+
+def test_toy_warm_start_runs_on_one_thread(tmp_path, monkeypatch, two_threads):
+    """On a busy 2-core machine 2 threads made the warm start 5-17 times slower (docs/performance.md); one thread
+    unless OMP_NUM_THREADS or --threads says otherwise."""
+    from exgrpo_trl.tasks import toy
+
+    argv = [
+        "--out",
+        str(tmp_path / "toy"),
+        "--warm-start-steps",
+        "1",
+        "--n-train",
+        "8",
+        "--n-eval",
+        "4",
+        "--no-progress",
+    ]
+    assert toy.main(argv) == 0 and two_threads.get_num_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert toy.main(argv) == 0 and two_threads.get_num_threads() == 2
+    assert toy.main([*argv, "--threads", "1"]) == 0 and two_threads.get_num_threads() == 1
+
+
+def test_demo_warm_start_runs_on_one_thread(tmp_path, monkeypatch, two_threads):
+    """The demo's warm start runs in its own process before the two one-thread arms: one thread there too."""
+    from types import SimpleNamespace
+
+    from exgrpo_trl.cli import demo, study
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def load(*args):
+        seen.append(two_threads.get_num_threads())
+        raise Stop
+
+    task = SimpleNamespace(
+        name="countdown-weak",
+        description="",
+        steps=1,
+        prompts_per_step=1,
+        num_generations=8,
+        learning_rate=1.0,
+        eval_every=1,
+        warm_start_steps=1,
+        load=load,
+    )
+    monkeypatch.setattr(study, "_tasks", lambda quick, overrides: {"countdown-weak": task})
+    with pytest.raises(Stop):
+        demo.main(["--out", str(tmp_path / "demo"), "--no-progress"])
+    assert seen == [1]

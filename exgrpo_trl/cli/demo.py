@@ -287,8 +287,14 @@ def main(argv: list[str] | None = None) -> int:
         f"pass@1 every {task.eval_every} steps",
         flush=True,
     )
-    from ..utils.quiet import quiet
+    import torch
 
+    from ..utils.quiet import quiet
+    from ..utils.threads import default_cpu_threads
+
+    # The warm start runs here, the two arms in one-thread processes: one thread here too, as a busy machine would
+    # otherwise slow it down 5-17 times (utils/threads.py).
+    torch.set_num_threads(default_cpu_threads())
     t0 = time.perf_counter()
     with quiet():
         task.load(str(args.cache_dir), task.warm_start_steps, not args.no_progress)

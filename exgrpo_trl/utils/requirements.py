@@ -17,7 +17,7 @@ OPTIONAL = {
     "vllm": ("vllm", "vllm"),
     "deepspeed": ("deepspeed", "deepspeed"),
     "nbclient": ("nbclient", "notebook"),
-    "math_verify": ("math-verify[antlr4_13_2]", None),  # a core dependency: only a broken environment lacks it
+    "math_verify": ("math-verify[antlr4-13-2]", None),  # a core dependency: only a broken environment lacks it
 }
 
 
