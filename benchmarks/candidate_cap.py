@@ -1,6 +1,6 @@
 """What `max_trajectory_candidates` changes: how often a shortlist of M still holds the lowest-entropy trajectory.
 
-ExGRPO (SPEC §6) scores every stored trajectory of a replayed question under the current policy and picks the argmin
+ExGRPO (§6) scores every stored trajectory of a replayed question under the current policy and picks the argmin
 of the mean per-token entropy. With `max_trajectory_candidates=M`, only a shortlist of M is scored: the library's rule
 takes the M with the lowest stored NLL (`exgrpo_trl.buffer.shortlist_indices`); the M most recently stored are shown
 beside it for comparison. This script trains ExGRPOTrainer *uncapped* (the paper's selection drives training) on the

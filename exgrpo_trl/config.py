@@ -119,9 +119,9 @@ class ExGRPOConfig(GRPOConfig):
         metadata={
             "help": "Once replay has started (the delayed start), drop the PPO clip on fresh tokens: their per-token "
             "loss becomes -r * A. The authors' released script does this (loss_remove_clip=True) and the paper "
-            "recipes set it; the paper's objective (SPEC §8) keeps TRL's clipped loss, so it is off by default. For "
-            "the PPO-clipped loss types (grpo, bnpo, dr_grpo, dapo, luspo), on batches generated after the switch. "
-            "Replayed tokens are never clipped either way."
+            "recipes set it; the paper's objective (docs/algorithm.md, section 8) keeps TRL's clipped loss, so it is "
+            "off by default. For the PPO-clipped loss types (grpo, bnpo, dr_grpo, dapo, luspo), on batches generated "
+            "after the switch. Replayed tokens are never clipped either way."
         },
     )
 

@@ -1,4 +1,4 @@
-"""Loss pieces of ExGRPO's mixed-policy objective (SPEC §8), as small pure functions on tensors."""
+"""Loss pieces of ExGRPO's mixed-policy objective (algorithm §8), as small pure functions on tensors."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def aggregate_token_loss(
 ) -> torch.Tensor:
     """Aggregate a (B, T) per-token loss exactly as TRL 1.16's GRPOTrainer does for `loss_type`.
 
-    ExGRPO applies ONE normaliser to fresh and replayed tokens together (SPEC §8): TRL aggregates the fresh tokens
+    ExGRPO applies ONE normaliser to fresh and replayed tokens together (algorithm §8): TRL aggregates the fresh tokens
     (replayed rows contribute 0 there), and this function aggregates the replayed tokens over the same batch and
     mask, so the two terms add up to the loss over the whole mixed batch. A test checks it against GRPOTrainer.
     """

@@ -1,4 +1,4 @@
-"""ExperienceBuffer: bucket probabilities, capped sampling, retirement, de-duplication, RNG isolation (SPEC §2-5)."""
+"""ExperienceBuffer: bucket probabilities, capped sampling, retirement, de-duplication, RNG isolation (§2-5)."""
 
 import math
 import random
@@ -30,7 +30,7 @@ def filled(sizes: dict[int, int], seed=0, k=8, **kwargs) -> ExperienceBuffer:
 
 
 def test_bucket_probabilities_k8_match_spec():
-    # SPEC §5: weight(k) = exp(-(k - 4)^2 / 2) for K=8, mu=.5, sigma=1: 1, e^-.5=.60653, e^-2=.13534, e^-4.5=.011109;
+    # §5: weight(k) = exp(-(k - 4)^2 / 2) for K=8, mu=.5, sigma=1: 1, e^-.5=.60653, e^-2=.13534, e^-4.5=.011109;
     # sum = 1 + 2 * (.60653 + .13534 + .011109) = 2.50596; p4 = .39905, p3 = .24204, p2 = .05401, p1 = .00443.
     expected = {1: 0.0044, 2: 0.0540, 3: 0.2420, 4: 0.3990, 5: 0.2420, 6: 0.0540, 7: 0.0044}
     probs = gaussian_bucket_probabilities(range(1, 8), 8, mu=0.5, sigma=1.0)

@@ -1,5 +1,5 @@
 """`remove_clip_after_replay_start`: the PPO clip on fresh tokens goes once replay has started (the authors' released
-script's loss_remove_clip), on hand-made ratios through TRL's own loss; off by default (SPEC §8)."""
+script's loss_remove_clip), on hand-made ratios through TRL's own loss; off by default (algorithm §8)."""
 
 import pytest
 import torch
@@ -61,4 +61,4 @@ def test_only_batches_generated_after_the_switch(tmp_path, tokenizer):
 def test_rejected_where_there_is_no_ppo_clip(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="loss_type 'cispo' has none to remove"):
         trainer_for(tmp_path, tokenizer, loss_type="cispo")
-    assert ExGRPOConfig.__dataclass_fields__["remove_clip_after_replay_start"].default is False  # SPEC §8
+    assert ExGRPOConfig.__dataclass_fields__["remove_clip_after_replay_start"].default is False  # algorithm §8

@@ -1,4 +1,4 @@
-"""Shaped replay loss and its gradient against hand-computed values; TRL-equal aggregation (SPEC §8)."""
+"""Shaped replay loss and its gradient against hand-computed values; TRL-equal aggregation (algorithm §8)."""
 
 import math
 

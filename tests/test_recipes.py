@@ -1,4 +1,4 @@
-"""Every recipe parses with TrlParser, opens with its launch commands, and the 7B recipe carries SPEC §9's values."""
+"""Every recipe parses with TrlParser, opens with its launch commands, and the 7B recipe carries §9's values."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 ACCELERATE = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
 GPU_RECIPES = [p for p in RECIPES if p.name != "tiny_cpu.yaml"]
 
-# SPEC §9: 128 questions x K = 8 rollouts per step, 2 optimizer updates per step (mini-batch of 64 questions),
+# algorithm §9: 128 questions x K = 8 rollouts per step, 2 optimizer updates per step (mini-batch of 64 questions),
 # 700 steps.
 QUESTIONS_PER_STEP, K, UPDATES_PER_STEP, PAPER_STEPS = 128, 8, 2, 700
 ROWS_PER_GENERATION = QUESTIONS_PER_STEP * K  # 1024
@@ -318,7 +318,8 @@ def test_accelerate_configs_load_and_say_what_they_are():
         assert launch_lines(path, "accelerate launch"), f"{path.name} must open with an example launch command"
 
 
-def test_readme_lists_every_recipe():
-    readme = (ROOT / "recipes" / "README.md").read_text()
-    for path in RECIPES + ACCELERATE:
-        assert path.name in readme, path.name
+def test_docs_list_every_recipe():
+    for page in (ROOT / "recipes" / "README.md", ROOT / "docs" / "recipes.md"):
+        text = page.read_text()
+        for path in RECIPES + ACCELERATE:
+            assert path.name in text, (page.name, path.name)

@@ -1,4 +1,4 @@
-"""The math-verify reward (SPEC §9: binary check of the answer after </think>) and the reward registry."""
+"""The math-verify reward (algorithm §9: binary check of the answer after </think>) and the reward registry."""
 
 from __future__ import annotations
 

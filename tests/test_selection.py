@@ -1,4 +1,4 @@
-"""Trajectory selection (SPEC §6): entropy scoring in one padded batch equals scoring alone; argmin is picked."""
+"""Trajectory selection (algorithm §6): entropy scoring in one padded batch equals scoring alone; argmin is picked."""
 
 import numpy as np
 import pytest

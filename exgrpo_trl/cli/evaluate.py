@@ -1,4 +1,4 @@
-"""`exgrpo eval`: the paper's benchmarks, avg@k, and a table laid out like SPEC §10.
+"""`exgrpo eval`: the paper's benchmarks, avg@k, and a table laid out like algorithm §10.
 
     exgrpo eval --model PATH_OR_HUB_ID \\
         --benchmarks aime24,aime25,amc,math500,minerva,olympiad,arc_c,gpqa_diamond,mmlu_pro
@@ -61,7 +61,7 @@ def parse_per_benchmark(text: str | None, cast: Callable[[str], Any], what: str)
 def build_arg_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="exgrpo eval",
-        description="Evaluate a model on the ExGRPO paper's benchmarks (SPEC §9) and write results.json, "
+        description="Evaluate a model on the ExGRPO paper's benchmarks (algorithm §9) and write results.json, "
         "results.md (laid out like the paper's table, its numbers beside yours) and completions.jsonl.",
     )
     parser.add_argument("--model", required=True, help="model folder or Hub id")

@@ -1,4 +1,4 @@
-r"""Evaluation: the paper's benchmarks (SPEC §9), grading, generators, avg@k reports, the in-training callback.
+r"""Evaluation: the paper's benchmarks (algorithm §9), grading, generators, avg@k reports, the in-training callback.
 
     registry.py     the benchmarks (Hub ids, columns), the paper's numbers, loading questions from the Hub or a file
     grading.py      one completion -> 0/1: math answers (last box, math-verify) and letter choices

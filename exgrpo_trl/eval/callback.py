@@ -48,7 +48,7 @@ class ValidationCallback(TrainerCallback):
     Args:
         benchmarks: loaded with `registry.load_benchmark` (any size; `limit` there keeps it cheap).
         steps: validate when ``global_step % steps == 0``; 0 disables.
-        samples: completions per question (avg@k); temperature / top_p: SPEC §9's 0.6 / 1.0 by default.
+        samples: completions per question (avg@k); temperature / top_p: algorithm §9's 0.6 / 1.0 by default.
         max_new_tokens: completion budget (the training recipe's ``max_completion_length`` is a natural choice).
         batch_size: sequences per ``generate`` call.
         seed: sampling seed (the same questions get the same draws at every validation, up to the weights).

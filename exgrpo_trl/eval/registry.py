@@ -1,4 +1,4 @@
-"""The paper's benchmarks (SPEC §9): the registry, the paper's numbers (SPEC §10), and loading a benchmark's
+"""The paper's benchmarks (algorithm §9): the registry, the paper's numbers (algorithm §10), and loading a benchmark's
 questions from the Hub or a local file of the same schema."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class Benchmark:
     """Where a benchmark lives on the Hub, which columns hold what, and how it is graded.
 
     `kind` is ``"math"`` (math-verify on `answer_column`) or ``"choice"`` (letter grading); `choice_format` says how
-    a choice row lists its options (``"arc"``, ``"gpqa"``, ``"mmlu_pro"``). `samples` is the SPEC §9 default k.
+    a choice row lists its options (``"arc"``, ``"gpqa"``, ``"mmlu_pro"``). `samples` is the algorithm §9 default k.
     """
 
     name: str
@@ -175,7 +175,7 @@ BENCHMARKS: dict[str, Benchmark] = {
 IN_DISTRIBUTION = tuple(n for n, b in BENCHMARKS.items() if b.in_distribution)
 OUT_OF_DISTRIBUTION = tuple(n for n, b in BENCHMARKS.items() if not b.in_distribution)
 
-# SPEC §10: Qwen2.5-Math-7B, in %.
+# algorithm §10: Qwen2.5-Math-7B, in %.
 PAPER_BACKBONE = "Qwen2.5-Math-7B"
 PAPER_RESULTS: dict[str, dict[str, float]] = {
     "On-policy (Dr.GRPO)": {

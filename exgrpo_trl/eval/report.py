@@ -155,7 +155,7 @@ def _fmt(value: float | None) -> str:
 
 
 def markdown_table(results: dict[str, dict[str, Any]], label: str, *, paper_rows: bool = True) -> str:
-    """The SPEC §10 layout: paper benchmarks in the paper's order (those evaluated), the in-distribution average,
+    """The algorithm §10 layout: paper benchmarks in the paper's order (those evaluated), the in-distribution average,
     the out-of-distribution ones and their average; other benchmarks after. The paper's two Qwen2.5-Math-7B rows
     come first. A partial average is marked * (the paper's rows then use the same benchmarks)."""
     summary = summarize(results)

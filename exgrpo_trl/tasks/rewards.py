@@ -1,6 +1,6 @@
 """Reward functions, chosen by name in a recipe (``reward_funcs: [math_verify]``).
 
-- ``math_verify``: the paper's verifier (SPEC §9): 1.0 when the final answer written after ``</think>`` is
+- ``math_verify``: the paper's verifier (algorithm §9): 1.0 when the final answer written after ``</think>`` is
   mathematically equal to the reference answer according to math-verify, else 0.0. No format bonus. A completion
   without ``</think>`` has no answer section and scores 0 (``MathVerifier(require_think_end=False)`` scores its whole
   text instead). The reference answer is parsed as ``$answer$``, as LUFFY's evaluation script does.

@@ -1,0 +1,457 @@
+"""The documentation (issue 25): the pages build strictly with MkDocs, the README is a front page, nothing cites a file
+outside the repository, and every code block a user would copy is tested: the Python blocks run (the quick starts on
+a CPU with a stand-in model, and they replay), the command lines are checked against the commands they call (options
+parse, named files exist), and a block that no test covers fails `test_every_code_block_is_covered`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomllib
+from markdown_it import MarkdownIt
+
+from .coin_model import build_coin_model_dir, write_math_questions
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+PAGES = [README, *sorted(DOCS.glob("*.md"))]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+ENV = {
+    **os.environ,
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+}
+
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int
+    kind: str  # "python", "text", "yaml", ... for fenced blocks; "" for indented ones (command lines)
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def blocks(page: Path) -> list[Block]:
+    tokens = MarkdownIt("commonmark").parse(page.read_text())
+    return [Block(page, t.map[0] + 1, t.info.strip(), t.content) for t in tokens if t.type in ("fence", "code_block")]
+
+
+def section_blocks(page: Path, heading: str) -> list[Block]:
+    """The blocks under `heading` (a whole heading line), up to the next heading of the same or a higher level."""
+    lines = page.read_text().splitlines()
+    start = lines.index(heading) + 1
+    level = len(heading) - len(heading.lstrip("#"))
+    end = next(
+        (i + 1 for i, line in enumerate(lines[start:], start) if re.match(rf"#{{1,{level}}} ", line)), len(lines) + 1
+    )
+    return [b for b in blocks(page) if start < b.line < end]
+
+
+def headings(page: Path) -> list[str]:
+    """The page's headings as written (``## Install``); comment lines inside code blocks are not headings."""
+    tokens = MarkdownIt("commonmark").parse(page.read_text())
+    return [f"{t.markup} {tokens[i + 1].content}" for i, t in enumerate(tokens) if t.type == "heading_open"]
+
+
+def python_block(page: Path, heading: str) -> str:
+    (block,) = [b for b in section_blocks(page, heading) if b.kind == "python"]
+    return block.text
+
+
+# The Python blocks and the test that runs each: (page, heading) -> test. A Python block elsewhere fails the coverage
+# test below.
+PYTHON_BLOCKS = {
+    (README, "## Quick start (GPU)"): "test_quick_start_replays",
+    (DOCS / "exgrpo_trainer.md", "## Quick start"): "test_quick_start_replays",
+    (DOCS / "exgrpo_trainer.md", "## Quick start on one GPU: LoRA and vLLM colocate"): "test_lora_quick_start_replays",
+    (DOCS / "exgrpo_trainer.md", "## Expected dataset type"): "test_dataset_examples",
+    (DOCS / "exgrpo_trainer.md", "## Using it from a recipe"): "test_from_grpo_config_example",
+}
+# Output shown to the reader (```text): the test that checks the program prints exactly that.
+TEXT_BLOCKS = {
+    (DOCS / "installation.md", "## What each extra brings"): "test_missing_extra_output_is_what_the_page_shows",
+    (DOCS / "resume.md", "## Resuming with `exgrpo train`"): "test_interrupt_output_is_what_the_page_shows",
+}
+YAML_BLOCKS = {(DOCS / "evaluation.md", "## Validation during training"): "test_yaml_blocks_are_recipe_keys"}
+
+
+# ----------------------------------------------------------------------------------------------------- the build
+def _mkdocs(cwd: Path, site: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_docs_build_strictly(tmp_path):
+    run = _mkdocs(ROOT, tmp_path / "site")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "WARNING" not in run.stderr, run.stderr
+    site = tmp_path / "site"
+    assert (site / "exgrpo_trainer" / "index.html").is_file()
+    # the study's figure, a repository file outside docs/, is published with the site and shown
+    assert (site / "_repo" / "benchmarks" / "results" / "study" / "study.png").is_file()
+    assert 'src="../_repo/benchmarks/results/study/study.png"' in (site / "study" / "index.html").read_text()
+
+
+def test_strict_build_fails_on_broken_links_anchors_and_orphan_pages(tmp_path):
+    for name in ("docs", "scripts"):
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__", "*.py[co]"))
+    shutil.copy(ROOT / "mkdocs.yml", tmp_path)
+    figure = tmp_path / "benchmarks" / "results" / "study"
+    figure.mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "results" / "study" / "study.png", figure)
+    with open(tmp_path / "docs" / "cpu.md", "a") as f:
+        f.write("\n[a](algorithm.md#no-such-heading) [b](../no/such/file.yaml) [c](gone.md)\n")
+    (tmp_path / "docs" / "orphan.md").write_text("# Not in the navigation\n")
+    run = _mkdocs(tmp_path, tmp_path / "site")
+    assert run.returncode != 0
+    for what in ("#no-such-heading", "'../no/such/file.yaml'", "'gone.md'", "orphan.md"):
+        assert what in run.stderr, (what, run.stderr)
+    assert "Aborted with 4 warnings in strict mode!" in run.stdout + run.stderr
+
+
+# ----------------------------------------------------------------------------------------------------- the pages
+OUTSIDE = ("SPEC", "CPU_NOTES", "TRL_NOTES", "STYLE.md", "GPU_CHECKLIST", "shared/", "/work/")
+
+
+def test_nothing_cites_a_file_outside_the_repository():
+    texts = [*PAGES, *(ROOT / "recipes").rglob("*.yaml"), ROOT / "recipes" / "README.md"]
+    texts.append(ROOT / "exgrpo_trl" / "cli" / "train_help.txt")
+    for path in texts:
+        text = path.read_text()
+        for word in OUTSIDE:
+            assert word not in text, f"{path.relative_to(ROOT)} cites {word!r}"
+
+
+def test_readme_is_a_front_page():
+    """It was a 6,600-word research log; it is what ExGRPO is, install, a GPU quick start, the CPU commands, the
+    headline result with its figure, and links to the pages."""
+    text = README.read_text()
+    assert len(text.split()) < 1000, len(text.split())
+    assert headings(README) == [
+        "# exgrpo-trl",
+        "## Install",
+        "## Quick start (GPU)",
+        "## On a CPU, two commands",
+        "## The result at CPU scale",
+        "## Documentation",
+    ]
+    assert "](benchmarks/results/study/study.png)" in text
+    linked = set(re.findall(r"\]\((docs/[^)#]+\.md)", text))
+    assert linked == {f"docs/{p.name}" for p in DOCS.glob("*.md") if p.name != "index.md"}
+    nav = (ROOT / "mkdocs.yml").read_text()
+    assert all(f": {p.name}" in nav for p in DOCS.glob("*.md"))
+
+
+def test_trainer_page_has_trls_parts():
+    """TRL's trainer pages: overview, quick start, expected dataset type, how it works, metrics, the config."""
+    page = headings(DOCS / "exgrpo_trainer.md")
+    for part in (
+        "## Overview",
+        "## Quick start",
+        "## Quick start on one GPU: LoRA and vLLM colocate",
+        "## Expected dataset type",
+        "## How it works inside TRL",
+        "## Logged metrics",
+        "## ExGRPOConfig",
+        "## Compatibility with GRPOTrainer features",
+    ):
+        assert part in page, part
+
+
+def test_config_reference_lists_every_exgrpo_field():
+    from dataclasses import fields
+
+    from trl import GRPOConfig
+
+    from exgrpo_trl import ExGRPOConfig
+
+    page = (DOCS / "exgrpo_trainer.md").read_text()
+    table = page[page.index("## ExGRPOConfig") : page.index("## Compatibility")]
+    own = {f.name for f in fields(ExGRPOConfig)} - {f.name for f in fields(GRPOConfig)} - {"gradient_checkpointing"}
+    for name in own:
+        assert f"`{name}`" in table, name
+
+
+# ----------------------------------------------------------------------------------------------------- Python blocks
+def _run_snippet(code: str, tmp_path: Path, replacements: list[tuple[str, str]], epilogue: str) -> str:
+    """`code` with each replacement made exactly once (the test's only changes), then `epilogue`, run in a fresh
+    interpreter in `tmp_path`; returns stdout."""
+    for old, new in replacements:
+        assert code.count(old) == 1, old
+        code = code.replace(old, new)
+    script = tmp_path / "snippet.py"
+    script.write_text(code + epilogue)
+    run = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    return run.stdout
+
+
+REPLAY_LOG = """
+import json
+print("REPLAY_LOG", json.dumps([e.get("exgrpo/replay/fraction") for e in trainer.state.log_history]))
+print("MODEL_CLASS", type(trainer.model).__name__)
+"""
+
+# On a CPU without the Hub: the stand-in model and local questions, no bf16, a log line per step.
+ON_A_CPU = "use_cpu=True, bf16=False, logging_steps=1, report_to='none', "
+
+
+def _replayed(stdout: str) -> list[float | None]:
+    line = next(line for line in stdout.splitlines() if line.startswith("REPLAY_LOG "))
+    return json.loads(line.split(" ", 1)[1])
+
+
+def test_quick_start_replays(tmp_path):
+    """The quick start trains ExGRPO, not plain GRPO: its generation batch holds 8 questions, so once the delayed
+    start has switched on half of them are replayed (it was a batch of 1 question, where nothing can be replayed).
+    Run with a stand-in model that solves about half of its answers and 24 local questions in the paper data's
+    layout: 3 generation batches per epoch, 3 epochs."""
+    readme = python_block(README, "## Quick start (GPU)")
+    assert readme == python_block(DOCS / "exgrpo_trainer.md", "## Quick start")
+    model = build_coin_model_dir(tmp_path / "model")
+    data = write_math_questions(tmp_path / "questions.jsonl", 24)
+    out = _run_snippet(
+        readme,
+        tmp_path,
+        [
+            ('"Qwen/Qwen2.5-Math-1.5B"', repr(model)),
+            ('"Elliott/Openr1-Math-46k-8192"', repr(data)),
+            ("args = ExGRPOConfig(\n", f"args = ExGRPOConfig(\n    {ON_A_CPU}\n"),
+        ],
+        REPLAY_LOG,
+    )
+    fractions = [f for f in _replayed(out) if f is not None]
+    assert len(fractions) == 9 and fractions[0] == 0.0  # the delayed start: the first batch is on-policy
+    assert 0.5 in fractions, fractions  # 4 of 8 questions replayed
+
+
+def test_lora_quick_start_replays(tmp_path):
+    """The one-GPU quick start (LoRA, vLLM colocate) with vLLM's generation swapped for transformers' (vLLM is not in
+    the CPU environment; tests/vllm runs ExGRPO against a real vLLM in colocate mode) and 6 optimizer steps: three
+    generation batches of 32 questions (on-policy; the delayed start switches on; collection began after the first, so
+    replay from the third), 16 questions of the third replayed, a LoRA adapter trained."""
+    code = python_block(DOCS / "exgrpo_trainer.md", "## Quick start on one GPU: LoRA and vLLM colocate")
+    model = build_coin_model_dir(tmp_path / "model")
+    data = write_math_questions(tmp_path / "questions.jsonl", 64)
+    out = _run_snippet(
+        code,
+        tmp_path,
+        [
+            ('"Qwen/Qwen2.5-Math-1.5B"', repr(model)),
+            ('"Elliott/Openr1-Math-46k-8192"', repr(data)),
+            ("use_vllm=True,", "use_vllm=False,"),
+            ("args = ExGRPOConfig(\n", f"args = ExGRPOConfig(\n    {ON_A_CPU}max_steps=6,\n"),
+        ],
+        REPLAY_LOG,
+    )
+    assert [f for f in _replayed(out) if f is not None] == [0.0, 0.0, 0.5]
+    assert "MODEL_CLASS PeftModelForCausalLM" in out
+
+
+def test_dataset_examples():
+    namespace: dict = {}
+    exec(python_block(DOCS / "exgrpo_trainer.md", "## Expected dataset type"), namespace)
+    from exgrpo_trl.tasks.math_data import to_math_prompts
+
+    for name in ("standard", "conversational"):
+        dataset = namespace[name]
+        assert dataset.column_names == ["prompt", "answer"]
+        assert to_math_prompts(dataset)["prompt"] == dataset["prompt"]  # used as is
+    assert namespace["conversational"][0]["prompt"] == [{"role": "user", "content": "What is 6 x 7?"}]
+
+
+def test_from_grpo_config_example():
+    namespace: dict = {}
+    exec(python_block(DOCS / "exgrpo_trainer.md", "## Using it from a recipe"), namespace)
+    args = namespace["args"]
+    assert type(args).__name__ == "ExGRPOConfig" and args.replay_ratio == 0.5
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (16, 4)
+
+
+# ----------------------------------------------------------------------------------------------------- other blocks
+def test_missing_extra_output_is_what_the_page_shows(monkeypatch, capsys):
+    from exgrpo_trl import cli
+    from exgrpo_trl.utils import requirements
+
+    (block,) = section_blocks(DOCS / "installation.md", "## What each extra brings")
+    command, shown = block.text.splitlines()
+    assert command == "$ exgrpo demo"
+    monkeypatch.setattr(requirements, "missing", lambda module: module == "matplotlib")
+    assert cli.main(shlex.split(command)[2:]) == 1
+    assert capsys.readouterr().err.splitlines() == [shown]
+
+
+def test_interrupt_output_is_what_the_page_shows(monkeypatch):
+    from exgrpo_trl.cli import train
+
+    (block,) = section_blocks(DOCS / "resume.md", "## Resuming with `exgrpo train`")
+    checkpoint = "outputs/exgrpo-tiny-cpu/checkpoint-100"
+    monkeypatch.setattr(train, "find_resumable_checkpoint", lambda output_dir: (checkpoint, []))
+    line = "exgrpo train: " + str(train.Interrupted(137, 300, "outputs/exgrpo-tiny-cpu"))
+    assert block.text.splitlines() == [line]
+
+
+def test_yaml_blocks_are_recipe_keys():
+    import yaml
+
+    from exgrpo_trl.cli.train import build_parser
+
+    known = {o[2:] for action in build_parser()._actions for o in action.option_strings if o.startswith("--")}
+    for (page, heading), _ in YAML_BLOCKS.items():
+        (block,) = [b for b in section_blocks(page, heading) if b.kind == "yaml"]
+        assert set(yaml.safe_load(block.text)) <= known
+
+
+# ----------------------------------------------------------------------------------------------------- command lines
+def command_lines(block: Block) -> list[str]:
+    """The commands of an indented block: comments dropped, `\\` continuations joined, `&&` chains split."""
+    text = block.text.replace("\\\n", " ")
+    commands = []
+    for line in text.splitlines():
+        words = shlex.split(line, comments=True)
+        if not words:
+            continue
+        chain: list[list[str]] = [[]]
+        for word in words:
+            chain.append([]) if word == "&&" else chain[-1].append(word)
+        commands += [shlex.join(c) for c in chain if c]
+    return commands
+
+
+def _without_env(words: list[str]) -> list[str]:
+    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+        words = words[1:]
+    return words
+
+
+def _check_pip(words: list[str]) -> None:
+    extras = set(PYPROJECT["project"]["optional-dependencies"])
+    version = PYPROJECT["project"]["version"]
+    if words[1] == "wheel":
+        assert words[2:] == [".", "--no-deps", "-w", "dist"], words
+        return
+    assert words[1] == "install", words
+    targets = [w for i, w in enumerate(words[2:], 2) if not w.startswith("-") and words[i - 1] != "--index-url"]
+    for target in targets:
+        name, _, rest = target.partition("[")
+        wanted = set(rest.rstrip("]").split(",")) if rest else set()
+        assert wanted <= extras, (target, extras)
+        if name == "torch":
+            continue
+        if name == ".":
+            continue
+        assert name == f"dist/exgrpo_trl-{version}-py3-none-any.whl", name  # the wheel `pip wheel` writes
+
+
+def _check_exgrpo(words: list[str]) -> None:
+    from exgrpo_trl import cli
+    from exgrpo_trl.cli import evaluate, inspect, study
+    from exgrpo_trl.cli import train as train_cli
+
+    rest = words[1:]
+    if rest[0].startswith("-") or "--help" in rest:
+        assert cli.main(rest) == 0, words
+        return
+    name, args = rest[0], rest[1:]
+    if name == "train":
+        train_cli.parse_args(args)
+    elif name == "eval":
+        evaluate.build_arg_parser().parse_args(args)
+    elif name == "inspect":
+        inspect.build_parser().parse_args(args)
+    elif name == "study":
+        study.build_parser().parse_args(args)
+    else:
+        raise AssertionError(f"no check for exgrpo {name}")
+
+
+def check_command(command: str, capsys) -> None:
+    from exgrpo_trl.cli import study
+    from exgrpo_trl.cli import train as train_cli
+    from exgrpo_trl.tasks import toy
+
+    words = _without_env(shlex.split(command))
+    program = words[0]
+    if program == "make":
+        makefile = (ROOT / "Makefile").read_text()
+        assert all(re.search(rf"^{re.escape(t)}:", makefile, re.M) for t in words[1:] if "=" not in t), words
+    elif program == ".":
+        assert words[1] == ".venv/bin/activate" and "VENV ?= .venv" in (ROOT / "Makefile").read_text()
+    elif program == "pip":
+        _check_pip(words)
+    elif program == "exgrpo":
+        _check_exgrpo(words)
+    elif program == "python" and words[1] == "-m":
+        assert words[2] == "exgrpo_trl.tasks.toy", words
+        toy.build_parser().parse_args(words[3:])
+    elif program == "python" and words[1] == "benchmarks/study.py":
+        assert (ROOT / words[1]).is_file()
+        study.build_parser().parse_args(words[2:])
+    elif program == "accelerate":
+        assert words[1] == "launch"
+        at = words.index("-m")
+        launcher = words[2:at]
+        assert (ROOT / launcher[launcher.index("--config_file") + 1]).is_file(), words
+        assert words[at + 1] == "exgrpo_trl.cli.train"
+        train_cli.parse_args(words[at + 2 :])
+    elif program == "trl":
+        assert words[1] == "vllm-serve"
+        model = words[words.index("--model") + 1]
+        assert any(f"model_name_or_path: {model}" in p.read_text() for p in (ROOT / "recipes").glob("*.yaml")), model
+    elif program == "mkdocs":
+        assert words[1] in ("serve", "build"), words  # the build itself: test_docs_build_strictly
+    else:
+        raise AssertionError(f"no check for a command line starting with {program!r}: add one to tests/test_docs.py")
+    capsys.readouterr()
+
+
+def test_command_lines(monkeypatch, capsys):
+    # The GPU recipes say bf16: true, which TrainingArguments rejects on a machine without a bf16 GPU.
+    monkeypatch.setattr("transformers.training_args.is_torch_bf16_gpu_available", lambda: True)
+    monkeypatch.chdir(ROOT)  # the commands name files relative to the repository's root
+    checked = 0
+    for page in PAGES:
+        for block in blocks(page):
+            if block.kind in ("", "bash", "shell"):
+                for command in command_lines(block):
+                    try:
+                        check_command(command, capsys)
+                    except BaseException as e:  # SystemExit from argparse included
+                        raise AssertionError(f"{block}: {command}: {e!r}") from e
+                    checked += 1
+    assert checked >= 25
+
+
+def test_every_code_block_is_covered():
+    """A block nobody runs or checks goes stale: each Python, text and YAML block is one that a test above names,
+    and every indented block is command lines (checked by test_command_lines)."""
+    registered = {**PYTHON_BLOCKS, **TEXT_BLOCKS, **YAML_BLOCKS}
+    covered = {b for (page, heading) in registered for b in section_blocks(page, heading) if b.kind}
+    for page in PAGES:
+        for block in blocks(page):
+            if block.kind in ("", "bash", "shell"):
+                continue
+            assert block.kind in ("python", "text", "yaml"), f"{block}: a ```{block.kind} block"
+            assert block in covered, f"{block}: a ```{block.kind} block no test runs or checks"
+    assert all(name in globals() for name in set(registered.values()))
