@@ -232,6 +232,7 @@ def test_train_with_multiple_environments(tmp_path):
         # reset() completed the prompt: the trajectory is scored under the prompt it was sampled with
         assert plan.record(j)["prompt"][0]["content"] == plan.rows[j]["prompt"][0]["content"] + f" {name[:3]}"
     assert replayed_environments == {"adder", "multiplier"}  # both kinds replayed
+    assert trainer.rec["scoring"]  # candidates scored for entropy, each under its environment's prompt and tools
     for key, entry in trainer.experience_buffer.questions.items():  # keyed by the dataset's prompt
         assert key == question_key(entry.row["prompt"])
 
@@ -387,6 +388,7 @@ def test_calculator_task_replays_tool_trajectories_and_resumes_bitwise(tmp_path)
         assert t.mask is not None
         text, external = (tokenizer.decode(ids.tolist()) for ids in (t.completion_ids, t.completion_ids[t.mask == 0]))
         assert external == f"<tool>{_tool_answers(text)[0]}<bot>"
+    assert straight.rec["scoring"]  # questions with two stored solutions: scored on their model tokens
     pass_at_1 = [h["exgrpo/batch/pass_at_1"] for h in straight.state.log_history if "loss" in h]
     assert np.mean(pass_at_1[-6:]) > np.mean(pass_at_1[:6]) + 0.1, pass_at_1  # it learns to call `add`
 

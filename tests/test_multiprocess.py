@@ -1,6 +1,7 @@
 """Two real processes: `accelerate launch --num_processes 2` under DDP (gloo) and under DeepSpeed ZeRO-3, on CPU.
 
-Each launch trains the tiny model with replay on and lowest-entropy trajectory selection (tests/mp/train_replay.py),
+Each launch trains the tiny model with replay on and lowest-entropy trajectory selection (tests/mp/train_replay.py;
+with --tools, the calculator task of tests/tool_tasks.py, whose rollouts call tools: DDP by default, ZeRO-3 slow),
 saves a checkpoint, resumes a second trainer from it, and calls the entropy scoring directly with candidate counts
 that split unevenly over the two ranks. Every rank writes what it saw to a JSON file; the tests compare them:
 
@@ -122,7 +123,23 @@ def zero3_run(tmp_path_factory):
     return out, launch("zero3_cpu.yaml", out, "--expect", "zero3", "--uneven", "--resume")
 
 
-RUNS = ["ddp_run", "zero3_run"]
+@pytest.fixture(scope="module")
+def ddp_tools_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp_tools")
+    return out, launch("ddp_cpu.yaml", out, "--expect", "ddp", "--uneven", "--resume", "--tools")
+
+
+@pytest.fixture(scope="module")
+def zero3_tools_run(tmp_path_factory):
+    if not HAS_DEEPSPEED:
+        pytest.skip("deepspeed is not installed (pip install exgrpo-trl[deepspeed])")
+    out = tmp_path_factory.mktemp("zero3_tools")
+    return out, launch("zero3_cpu.yaml", out, "--expect", "zero3", "--uneven", "--resume", "--tools")
+
+
+# The *_tools runs train the calculator task of tests/tool_tasks.py, whose rollouts call tools through TRL's tool loop:
+# ranks run different numbers of tool turns (each as many as its own rows need). ZeRO-3 with tools: ~110 s, slow.
+RUNS = ["ddp_run", "zero3_run", "ddp_tools_run", pytest.param("zero3_tools_run", marks=pytest.mark.slow)]
 
 
 @pytest.fixture(params=RUNS)
@@ -138,7 +155,7 @@ def test_each_rank_sees_a_world_of_two(run, request):
     for r in ranks:
         world = r["world"]
         assert world["num_processes"] == 2 and world["backend"] == "gloo", world
-        if request.node.callspec.params["run"] == "zero3_run":
+        if request.node.callspec.params["run"].startswith("zero3"):
             assert world["distributed_type"] == "DistributedType.DEEPSPEED", world
             assert world["engine"] == "DeepSpeedEngine" and world["zero_stage"] == 3, world
         else:
@@ -148,12 +165,14 @@ def test_each_rank_sees_a_world_of_two(run, request):
 
 
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
-def test_replay_plan_is_identical_on_every_rank(run):
+def test_replay_plan_is_identical_on_every_rank(run, request):
     _, (r0, r1) = run
     assert r0["plans"] == r1["plans"]
     plans = [p["plan"] for p in r0["plans"]]
     assert len(plans) == 4 and plans[0] is None  # 8 steps, a generation batch every 2; the buffer starts empty
-    assert all(plans[1:]) and len(set(plans[1:])) == 3, plans
+    # (the calculator task's buffer holds 2-3 questions at first: a plan may repeat the previous one)
+    distinct = 2 if request.node.callspec.params["run"].endswith("tools_run") else 3
+    assert all(plans[1:]) and len(set(plans[1:])) == distinct, plans
     assert all(p["num_replayed"] == 2 for p in r0["plans"][1:])  # floor(0.7 * 3 groups)
     assert r0["resumed"]["plans"] == r1["resumed"]["plans"] and r0["resumed"]["plans"][0]["plan"]
 
@@ -226,6 +245,18 @@ def test_checkpoint_holds_rank0_buffer_and_resume_restores_it_on_every_rank(run)
     assert a0["exgrpo_state"] == a1["exgrpo_state"] == r0["exgrpo_state"]
     assert r0["resumed"]["global_step"] == r1["resumed"]["global_step"] == 10
     assert r1["resumed"]["buffer"]["trajectories"] == 0 < r0["resumed"]["buffer"]["trajectories"]
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
+@pytest.mark.parametrize("tools_run", ["ddp_tools_run", pytest.param("zero3_tools_run", marks=pytest.mark.slow)])
+def test_tool_trajectories_reach_the_buffer_with_their_masks(tools_run, request):
+    """Every success of the calculator task went through a tool: the buffer rank 0 holds only multi-turn
+    trajectories, with their model masks, and the checkpoint keeps them (state format 2)."""
+    from exgrpo_trl.state import read_meta
+
+    out, (r0, r1) = request.getfixturevalue(tools_run)
+    assert r0["masked_trajectories"] == r0["buffer"]["trajectories"] > 0 and r1["masked_trajectories"] == 0
+    assert read_meta(out / "out" / "checkpoint-8")["format_version"] == 2
 
 
 @pytest.mark.slow

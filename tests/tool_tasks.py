@@ -97,8 +97,9 @@ def build_tool_tokenizer() -> PreTrainedTokenizerFast:
 
 
 # ------------------------------------------------------------------------------------------------ generation
-ADD_OR_MUL = ("add a={a} b={b}", "mul a={a} b={b}")  # the calls the model chooses between (first characters differ)
-ASYNC_ADD_OR_MUL = ("async_add a={a} b={b}", "mul a={a} b={b}")
+# The calls the model chooses between, token by token (two right ones, so a question has two distinct successes)
+ADD_OR_MUL = ("add a={a} b={b}", "add b={b} a={a}", "mul a={a} b={b}")
+ASYNC_ADD_OR_MUL = ("async_add a={a} b={b}", "async_add b={b} a={a}", "mul a={a} b={b}")
 # a good call, a call with a wrong argument name (the tool fails) and a malformed one (no tool name: parsed as text)
 GOOD_FAILING_OR_MALFORMED = ("add a={a} b={b}", "mul a={a} c={b}", "= a={a} b={b}")
 
@@ -106,9 +107,10 @@ GOOD_FAILING_OR_MALFORMED = ("add a={a} b={b}", "mul a={a} c={b}", "= a={a} b={b
 class CallGrammar(LogitsProcessor):
     """Restricts each step's sampling to what the grammar allows; the model's own logits choose among the allowed.
 
-    First turn: ``<call>`` or ``0`` (a guess: up to 3 more digits, then EOS); after ``<call>``, the first character of
-    one of `branches`, whose rest is then forced with the question's numbers, then ``</call><eos>``. After a tool's
-    answer (the prompt ends ``<tool>...<bot>``): the answer's digits, then EOS (EOS at once if it is not a number).
+    First turn: ``<call>`` or ``0`` (a guess: up to 3 more digits, then EOS); after ``<call>``, one of `branches` (the
+    question's numbers put in), token by token: where branches part the model chooses, elsewhere the token is forced;
+    then ``</call><eos>``. After a tool's answer (the prompt ends ``<tool>...<bot>``): the answer's digits, then EOS
+    (EOS at once if it is not a number).
     """
 
     def __init__(self, tokenizer, branches):
@@ -135,13 +137,11 @@ class CallGrammar(LogitsProcessor):
             return [v["<call>"], v["0"]]
         if generated[0] == v["0"]:
             return self.digits + [eos] if len(generated) < 4 else [eos]
-        firsts = {self._ids(branch)[0]: branch for branch in self.branches}
-        if len(generated) == 1:
-            return list(firsts)
         match = QUESTION.search(text)
         a, b = (match.group(1), match.group(3)) if match else ("0", "0")
-        forced = self._ids("<call>" + firsts[generated[1]].format(a=a, b=b) + "</call>") + [eos]
-        return [forced[len(generated)]] if len(generated) < len(forced) else None
+        calls = [self._ids(f"<call>{branch.format(a=a, b=b)}</call>") + [eos] for branch in self.branches]
+        n = len(generated)
+        return sorted({c[n] for c in calls if len(c) > n and c[:n] == generated}) or None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self.prompt_length is None:

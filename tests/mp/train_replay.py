@@ -13,7 +13,9 @@ the test compares to OUT/rank{r}.json:
   training (sizes, a hash of its state, the retired set), host RSS;
 - with --uneven: `_exgrpo_score_entropies` called directly with candidate counts that split unevenly over 2 ranks
   (1, 3, 2B+1 with B the scoring chunk size), compared with unsharded scoring;
-- with --resume: a second trainer resumes from the last checkpoint; the buffer each rank holds right after loading.
+- with --resume: a second trainer resumes from the last checkpoint; the buffer each rank holds right after loading;
+- with --tools: the calculator task of tests/tool_tasks.py instead, whose rollouts call tools through TRL's tool loop
+  (a rank runs as many tool turns as its own rows need), every 6th question always solved so that some retire.
 
 Options are plain argv flags so the launch command stays short.
 """
@@ -75,10 +77,27 @@ def world_info(trainer) -> dict:
     return info
 
 
+def tool_setup():
+    """(tokenizer, model, dataset, reward, trainer keywords) of the calculator task with tools."""
+    from tests.tool_tasks import add, build_tool_tokenizer, calculator_dataset, calculator_reward, make_tool_model, mul
+
+    def reward(completions, answer, always, **kwargs):
+        return [1.0 if a else r for r, a in zip(calculator_reward(completions, answer), always)]
+
+    tokenizer = build_tool_tokenizer()
+    dataset = calculator_dataset(24).add_column("always", [i % 6 == 0 for i in range(24)])
+    return tokenizer, make_tool_model(tokenizer), dataset, reward, {"tools": [add, mul]}
+
+
 def build(out: Path, args, max_steps: int, break_padding: bool = False) -> RecordingTrainer:
     from exgrpo_trl.tasks.toy import build_char_tokenizer
 
-    tokenizer = build_char_tokenizer()
+    if args.tools:
+        tokenizer, model, dataset, reward, extra = tool_setup()
+    else:
+        tokenizer = build_char_tokenizer()
+        model, dataset, reward = make_model(tokenizer), synthetic_dataset(n=24, always_every=6), make_reward(tokenizer)
+        extra = {}
     kwargs = config_kwargs(
         out,
         per_device_train_batch_size=6,  # 12 rows per rank per generation batch: the middle group spans both ranks
@@ -92,14 +111,16 @@ def build(out: Path, args, max_steps: int, break_padding: bool = False) -> Recor
         save_steps=args.save_steps,
         use_cpu=True,  # without it accelerate finds no backend on a machine without CUDA: a world of 1 on each rank
         seed=args.seed,
+        **({"max_completion_length": 32, "learning_rate": 1e-3} if args.tools else {}),
     )
     trainer = RecordingTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
+        model=model,
+        reward_funcs=reward,
         args=ExGRPOConfig(**kwargs),
-        train_dataset=synthetic_dataset(n=24, always_every=6),
+        train_dataset=dataset,
         processing_class=tokenizer,
         break_padding=break_padding,
+        **extra,
     )
     return trainer
 
@@ -145,6 +166,7 @@ def main() -> int:
     parser.add_argument("--uneven", action="store_true", help="call _exgrpo_score_entropies with uneven counts")
     parser.add_argument("--resume", action="store_true", help="resume a second trainer from the last checkpoint")
     parser.add_argument("--break-padding", action="store_true", help="negative control: unequal forward passes")
+    parser.add_argument("--tools", action="store_true", help="the calculator task, its rollouts calling tools")
     args = parser.parse_args()
     out = Path(args.out)
     t0 = time.time()
@@ -169,6 +191,7 @@ def main() -> int:
     record.update(trainer.rec)
     record["plans"] = plans(trainer)
     record["buffer"] = buffer_summary(trainer.experience_buffer)
+    record["masked_trajectories"] = sum(t.mask is not None for t in trainer.experience_buffer.iter_trajectories())
     record["exgrpo_state"] = dict(trainer.exgrpo_state)
     record["global_step"] = trainer.state.global_step
     if args.uneven:
