@@ -371,3 +371,27 @@ def test_demo_warm_start_runs_on_one_thread(tmp_path, monkeypatch, two_threads):
     with pytest.raises(Stop):
         demo.main(["--out", str(tmp_path / "demo"), "--no-progress"])
     assert seen == [1]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--use_vllm", "true"],
+            "use_vllm: true needs vllm, which is not installed: pip install 'exgrpo-trl[vllm]' (or pip install vllm)",
+        ),
+        (
+            ["--deepspeed", str(ROOT / "tests" / "mp" / "ds_zero3.json")],
+            "deepspeed (a DeepSpeed config) needs deepspeed, which is not installed: pip install "
+            "'exgrpo-trl[deepspeed]' (or pip install deepspeed)",
+        ),
+    ],
+    ids=["vllm", "deepspeed"],
+)
+def test_train_checks_the_packages_its_recipe_needs_first(tmp_path, monkeypatch, capsys, argv, message):
+    """TRL finds a missing vLLM only after the model has loaded; the recipe says what the run will need."""
+    from exgrpo_trl.utils import requirements
+
+    monkeypatch.setattr(requirements, "missing", lambda module: module in ("vllm", "deepspeed"))
+    assert main(["train", "--config", str(TINY), "--output_dir", str(tmp_path / "out"), *argv]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == f"exgrpo train: error: {message} (--debug shows the traceback)"

@@ -37,6 +37,7 @@ from ..state import StateFileError
 from ..tasks.math_data import filter_long_prompts, load_math_dataset
 from ..tasks.rewards import REWARD_FUNCS, get_reward_funcs
 from ..utils.checkpoints import checkpoint_problems, checkpoint_step, find_resumable_checkpoint
+from ..utils.requirements import require
 from ..utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -491,6 +492,11 @@ def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args:
         raise ValueError(
             "dataset_streaming is not supported: ExGRPO re-reads questions by index (replay, retirement)."
         )
+    # The optional packages the run will need, before any work (TRL finds a missing vLLM once the model has loaded).
+    if training_args.use_vllm:
+        require("vllm", "use_vllm: true")
+    if training_args.deepspeed:
+        require("deepspeed", "deepspeed (a DeepSpeed config)")
     _check_local_paths(script_args, model_args)
     check_output_dir(training_args.output_dir)
     _setup_logging(training_args)
