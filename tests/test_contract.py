@@ -123,23 +123,16 @@ def test_runtime_contract(tmp_path, tokenizer):
     assert captured[0][0].shape == output["completion_ids"].shape
 
 
-@pytest.mark.parametrize(
-    "kwargs, error, message",
-    [
-        ({"tools": [lambda x: x]}, NotImplementedError, "does not support `tools`"),
-        ({"rollout_func": lambda prompts, trainer: {}}, NotImplementedError, "does not support `rollout_func`"),
-        ({"environment_factory": object}, NotImplementedError, "does not support `environment_factory`"),
-    ],
-)
-def test_unsupported_features_rejected(tmp_path, tokenizer, kwargs, error, message):
-    with pytest.raises(error, match=message):
+def test_environment_owned_data_rejected(tmp_path, tokenizer):
+    # tools, environments and rollout functions train (tests/test_multi_turn.py); an environment that picks its own
+    # questions (no train_dataset) cannot have a question replayed, and says so before TRL builds anything
+    with pytest.raises(ValueError, match="needs a train_dataset with a 'prompt' column when environment_factory"):
         ExGRPOTrainer(
             model=make_model(tokenizer),
             reward_funcs=make_reward(tokenizer),
             args=ExGRPOConfig(**config_kwargs(tmp_path)),
-            train_dataset=synthetic_dataset(),
             processing_class=tokenizer,
-            **kwargs,
+            environment_factory=object,
         )
 
 

@@ -125,25 +125,39 @@ def _multi_turn_setup(mode: str):
     """The task, reward and GRPOTrainer keyword of one multi-turn rollout mode (tests/tool_tasks.py)."""
     from .tool_tasks import add, calculator_reward, calculator_rollout, env_classes, mul, rollout_reward
 
-    calculator, scored, _, _ = env_classes()
+    calculator, scored, adder, multiplier = env_classes()
     return {
         "tools": (calculator_reward, {"tools": [add, mul]}),
         "environment_factory": (calculator_reward, {"environment_factory": calculator}),
+        "environment_factory dict": (
+            calculator_reward,
+            {"environment_factory": {"adder": adder, "multiplier": multiplier}},
+        ),
         "environment-owned reward": (None, {"environment_factory": scored}),
         "rollout_func": (rollout_reward, {"rollout_func": calculator_rollout}),
     }[mode]
 
 
-@pytest.mark.parametrize("mode", ["tools", "environment_factory", "environment-owned reward", "rollout_func"])
+@pytest.mark.parametrize(
+    "mode", ["tools", "environment_factory", "environment_factory dict", "environment-owned reward", "rollout_func"]
+)
 def test_replay_ratio_zero_is_grpo_bitwise_multi_turn(tmp_path, monkeypatch, mode):
-    """The same with multi-turn rollouts: tools run by TRL's tool loop, environments reset from the dataset rows, a
-    rollout function with its own tool loop (`env_mask`). Three steps, learning rate 1e-3 so that the policy (and
-    with it which rollouts call which tool) moves between steps."""
+    """The same with multi-turn rollouts: tools run by TRL's tool loop, environments reset from the dataset rows (one
+    environment, a dict of them, one that owns its reward), a rollout function with its own tool loop (`env_mask`).
+    Three steps, learning rate 1e-3 so that the policy (and with it which rollouts call which tool) moves between
+    steps."""
+    from datasets import concatenate_datasets
+
     from .tool_tasks import build_tool_tokenizer, calculator_dataset, make_tool_model, one_thread
 
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     tokenizer = build_tool_tokenizer()
     kwargs = config_kwargs(tmp_path, max_steps=3, max_completion_length=32, learning_rate=1e-3)
+    dataset = calculator_dataset()
+    if mode == "environment_factory dict":  # each row routed to its environment by its `environment` column
+        adds = calculator_dataset(16, "+").map(lambda row: {"environment": "adder"})
+        muls = calculator_dataset(16, "*", start=16).map(lambda row: {"environment": "multiplier"})
+        dataset = concatenate_datasets([adds, muls])
     runs = []
     for trainer_cls, config in (
         (GRPOTrainer, GRPOConfig(**kwargs)),
@@ -154,7 +168,7 @@ def test_replay_ratio_zero_is_grpo_bitwise_multi_turn(tmp_path, monkeypatch, mod
             model=make_tool_model(tokenizer),
             reward_funcs=reward,
             args=config,
-            train_dataset=calculator_dataset(),
+            train_dataset=dataset,
             processing_class=tokenizer,
             **extra,
         )
