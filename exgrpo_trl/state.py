@@ -378,6 +378,7 @@ _KINDS = {  # how a field's expected kind is named in messages -> the test
     "a number": lambda v: _is_int(v) or isinstance(v, float),
     "an integer or null": lambda v: v is None or _is_int(v),
     "an object or null": lambda v: v is None or isinstance(v, dict),
+    "a string or null": lambda v: v is None or isinstance(v, str),
 }
 
 
@@ -453,9 +454,19 @@ def _check_shape(path: Path, meta: dict[str, Any]) -> None:
     trainer = meta["trainer"]
     _field(path, trainer, "replay_active", "trainer", "a boolean", optional=True)
     _field(path, trainer, "generation_batches", "trainer", "a non-negative integer", optional=True)
-    for i, keys in enumerate(_field(path, trainer, "sampler_passes", "trainer", "an array", optional=True) or []):
-        for j, key in enumerate(_expect(path, f"trainer.sampler_passes[{i}]", keys, "an array")):
-            _expect(path, f"trainer.sampler_passes[{i}][{j}]", key, "a string")
+    passes = _field(path, trainer, "sampler_passes", "trainer", "an array", optional=True)  # older checkpoints
+    _check_passes(path, passes, "sampler_passes")
+    sampler = _field(path, trainer, "sampler", "trainer", "an object", optional=True)
+    if sampler is not None:  # where the fresh-question sampler is in its epochs
+        _field(path, sampler, "epoch", "trainer.sampler", "an integer")
+        _field(path, sampler, "generator", "trainer.sampler", "a string or null")
+        _check_passes(path, _field(path, sampler, "passes", "trainer.sampler", "an array"), "sampler.passes")
+
+
+def _check_passes(path: Path, passes: list | None, name: str) -> None:
+    for i, keys in enumerate(passes or []):
+        for j, key in enumerate(_expect(path, f"trainer.{name}[{i}]", keys, "an array")):
+            _expect(path, f"trainer.{name}[{i}][{j}]", key, "a string")
 
 
 def read_arrays(directory: str | os.PathLike, meta: dict[str, Any]) -> dict[str, np.ndarray]:

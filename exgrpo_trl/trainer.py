@@ -22,6 +22,7 @@ from trl.models.utils import disable_gradient_checkpointing
 
 from .buffer import ExperienceBuffer
 from .card import add_section, exgrpo_card_section, fix_local_references
+from .checkpoints import remove_state_leftovers, rotate_checkpoints
 from .config import ExGRPOConfig
 from .loss import PPO_CLIPPED_LOSS_TYPES, SUPPORTED_LOSS_TYPES, aggregate_token_loss, shaped_replay_token_loss
 from .replay import (
@@ -131,6 +132,36 @@ def _plain(value):
     raise TypeError(f"a value of type {type(value).__name__}")
 
 
+def save_steps_inside_generation_batches(cfg: GRPOConfig) -> str | None:
+    """A warning when `save_steps` puts checkpoints inside generation batches, else None.
+
+    TRL generates once per `steps_per_generation * num_iterations` micro-batches and trains on that batch until the
+    next generation; a checkpoint keeps none of it. A run resumed from a checkpoint inside a generation batch
+    generates that batch again, with other samples: it trains on correctly, but not bitwise as the run it came from
+    would have. (Saving the rest of the batch instead would mean saving TRL's private buffered inputs, whose layout
+    changes between TRL versions; a save_steps on the batch boundaries costs nothing.)"""
+    strategy = getattr(cfg.save_strategy, "value", cfg.save_strategy)
+    save_steps = cfg.save_steps
+    if strategy != "steps" or not save_steps:
+        return None
+    if save_steps < 1:  # a ratio of the run
+        if cfg.max_steps <= 0:
+            return None
+        save_steps = math.ceil(cfg.max_steps * save_steps)
+    save_steps = int(save_steps)
+    micro = cfg.steps_per_generation * cfg.num_iterations  # micro-batches from one generation to the next
+    accumulation = cfg.gradient_accumulation_steps
+    if save_steps * accumulation % micro == 0:
+        return None
+    every = micro // math.gcd(micro, accumulation)  # optimizer steps from one generation boundary to the next
+    return (
+        f"ExGRPO: save_steps={save_steps} puts checkpoints inside generation batches (one every {every} optimizer "
+        f"steps: steps_per_generation={cfg.steps_per_generation} x num_iterations={cfg.num_iterations} / "
+        f"gradient_accumulation_steps={accumulation}); a run resumed from one generates that batch again and does not "
+        f"continue bitwise. save_steps that are multiples of {every} resume exactly."
+    )
+
+
 def _check_prompt_column(dataset, name: str) -> None:
     """GRPOTrainer reads each row's 'prompt' only at the first step, where a missing column is a bare KeyError."""
     columns = getattr(dataset, "column_names", None)  # None: no dataset, or one that does not know its columns
@@ -193,15 +224,20 @@ class ExGRPOTrainer(GRPOTrainer):
     callbacks and studies to read.
 
     Also overridden, each calling `super()`:
-    - `_get_train_sampler`: wraps TRL's RepeatSampler to skip retired questions from the next epoch on.
-    - `_save_checkpoint` / `_load_optimizer_and_scheduler`: the buffer and ExGRPO's switches are written into
-      each checkpoint folder (safetensors + JSON, atomically) before `super()` saves the rest and may push it, and
-      restored on every rank on resume.
+    - `_get_train_sampler`: wraps TRL's RepeatSampler to skip retired questions from the next epoch on, and so that
+      its place in the epochs (generator state, passes) is saved with checkpoints: a resume in any epoch draws that
+      epoch's order (TRL's GRPOTrainer, resumed in a later epoch, draws the first epoch's order again).
+    - `_save_checkpoint` / `_load_optimizer_and_scheduler`: the buffer, ExGRPO's switches and the sampler's state are
+      written into each checkpoint folder (safetensors + JSON, atomically) before `super()` saves the rest and may
+      push it, and restored on every rank on resume. Rotation (`save_total_limit`) is done after `super()` by
+      `checkpoints.rotate_checkpoints`: incomplete checkpoints first, then the oldest complete ones by step.
+    - `_run_epoch`: a run resumed at `max_steps` trains nothing (transformers would take one more step).
     - `create_model_card`: `super()` writes TRL's card (ExGRPO's name, tags and citation come from the class
       attributes); an ExGRPO section with the main settings and the final buffer is added to it.
 
     A generation batch too small for `replay_ratio` to replay one question (floor(rho x questions) = 0, as with TRL's
-    default 8 rows and K = 8) would never replay: `replay_never_fires` says so at init.
+    default 8 rows and K = 8) would never replay: `replay_never_fires` says so at init; `save_steps` that put
+    checkpoints inside generation batches, which do not resume bitwise, get a warning too.
 
     Rejected at init: image inputs (`IMAGE_INPUTS`), and `environment_factory` without a train_dataset holding the
     questions (`ENVIRONMENT_OWNED_DATA`: the environment would pick the question, so a replayed group could not be
@@ -264,9 +300,9 @@ class ExGRPOTrainer(GRPOTrainer):
         if self.loss_type not in SUPPORTED_LOSS_TYPES:
             raise ValueError(f"ExGRPOTrainer supports loss_type in {SUPPORTED_LOSS_TYPES}, got {self.loss_type!r}")
         cfg: ExGRPOConfig = self.args
-        never = replay_never_fires(cfg)
-        if never is not None:
-            logger.warning(never)
+        for warning in (replay_never_fires(cfg), save_steps_inside_generation_batches(cfg)):
+            if warning is not None:
+                logger.warning(warning)
         if cfg.remove_clip_after_replay_start and self.loss_type not in PPO_CLIPPED_LOSS_TYPES:
             raise ValueError(
                 f"remove_clip_after_replay_start removes the PPO clip of loss_type in {PPO_CLIPPED_LOSS_TYPES}; "
@@ -292,17 +328,19 @@ class ExGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------------------------------ data
     def _get_train_sampler(self, dataset=None):
+        # Always wrapped, so that where the sampler is in its epochs is saved with checkpoints (a resume in a later
+        # epoch draws that epoch's order); with nothing to skip it yields exactly TRL's sampler's indices.
         sampler = super()._get_train_sampler(dataset)
         skip = self.args.skip_retired_questions and (
             self.args.replay_ratio > 0 or self.args.skip_retired_without_replay
         )
-        if skip:
-            dataset = self.train_dataset if dataset is None else dataset
-            sampler = SkipRetiredSampler(sampler, lambda: dataset["prompt"], self.experience_buffer.retired)
-            previous = getattr(self, "_exgrpo_sampler", None)
-            if previous is not None and previous.resume_passes is not None:
-                sampler.resume_passes = previous.resume_passes
-            self._exgrpo_sampler = sampler
+        dataset = self.train_dataset if dataset is None else dataset
+        retired = self.experience_buffer.retired if skip else set()
+        sampler = SkipRetiredSampler(sampler, lambda: dataset["prompt"], retired)
+        previous = getattr(self, "_exgrpo_sampler", None)
+        if previous is not None and previous.resume is not None:  # the dataloader was rebuilt after a resume
+            sampler.resume = previous.resume
+        self._exgrpo_sampler = sampler
         return sampler
 
     # ------------------------------------------------------------------------------------------ generation
@@ -717,18 +755,43 @@ class ExGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def _exgrpo_trainer_state(self) -> dict[str, Any]:
-        passes = self._exgrpo_sampler.passes if self._exgrpo_sampler is not None else []
-        return {**self.exgrpo_state, "sampler_passes": [sorted(p) for p in passes]}
+        state = dict(self.exgrpo_state)
+        if self._exgrpo_sampler is not None:
+            state["sampler"] = self._exgrpo_sampler.state_dict()
+        return state
 
     def _save_checkpoint(self, model, trial):
         # Written into the checkpoint folder BEFORE super() saves the rest and may start the Hub upload of it.
         self._exgrpo_flush(keep_pending=True)
+        run_dir = self._get_output_dir(trial=trial)
+        checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save:
-            checkpoint = os.path.join(
-                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            )
+            remove_state_leftovers(run_dir)  # temporary state folders of processes killed while saving
             save_state(checkpoint, self.experience_buffer, self._exgrpo_trainer_state())
-        super()._save_checkpoint(model, trial)
+        # Rotation is ours (below): transformers orders checkpoints by folder time, and a checkpoint half-deleted by
+        # a crash during rotation has the freshest time, so it was kept while complete ones were deleted.
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        if self.args.should_save:
+            rotate_checkpoints(
+                run_dir,
+                limit,
+                keep=[checkpoint, *filter(None, [self.state.best_model_checkpoint])],
+                need_optimizer=not self.args.save_only_model,
+                adaptive_entropy=bool(getattr(self, "use_adaptive_entropy", False)),
+            )
+
+    def _run_epoch(self, *args, **kwargs):
+        # Resumed at (or past) max_steps: the run is complete. Transformers would still run the resumed epoch and
+        # take one more step before checking, so each restart of a finished run trained (and saved) one step more.
+        if self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps:
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(*args, **kwargs)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         # A local dataset is not a Hub dataset: TRL would link it (and list it in the card's metadata) as one.
@@ -784,9 +847,11 @@ class ExGRPOTrainer(GRPOTrainer):
         saved = load_state(
             checkpoint, self.experience_buffer, with_trajectories=self.accelerator.is_main_process, meta=meta
         )
-        self.exgrpo_state.update({k: v for k, v in saved.items() if k != "sampler_passes"})
+        self.exgrpo_state.update({k: v for k, v in saved.items() if k not in ("sampler", "sampler_passes")})
         if self._exgrpo_sampler is not None:
-            self._exgrpo_sampler.resume_passes = [frozenset(p) for p in saved.get("sampler_passes", [])]
+            # checkpoints before the sampler's state was saved hold the current epoch's passes only
+            sampler_state = saved.get("sampler") or {"epoch": None, "passes": saved.get("sampler_passes", [])}
+            self._exgrpo_sampler.load_state_dict(sampler_state)
 
     # ------------------------------------------------------------------------------------------ loss
     @contextlib.contextmanager

@@ -73,3 +73,26 @@ def config_kwargs(tmp_path, **overrides):
     )
     kwargs.update(overrides)
     return kwargs
+
+
+def _write_toy_dir(out, **model_kwargs):
+    """A tiny model + char tokenizer and the toy task, written the way `python -m exgrpo_trl.tasks.toy --out` does."""
+    from exgrpo_trl.tasks.toy import addition_splits, build_tiny_model_dir
+
+    build_tiny_model_dir(out, **model_kwargs)
+    train, eval_ = addition_splits(64, 8, seed=0)
+    train.to_json(str(out / "train.jsonl"))
+    eval_.to_json(str(out / "eval.jsonl"))
+    return out
+
+
+@pytest.fixture(scope="session")
+def toy_dir(tmp_path_factory):
+    """The toy model folder with the builder's default shape, its train.jsonl (64 questions) and eval.jsonl (8)."""
+    return _write_toy_dir(tmp_path_factory.mktemp("toy"))
+
+
+@pytest.fixture(scope="session")
+def small_toy_dir(tmp_path_factory):
+    """The same with a smaller model (hidden 64, 2 layers): for tests that start many training processes."""
+    return _write_toy_dir(tmp_path_factory.mktemp("small-toy"), hidden_size=64, num_layers=2, intermediate_size=128)

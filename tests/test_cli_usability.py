@@ -27,17 +27,6 @@ ENV = {
 }
 
 
-@pytest.fixture(scope="module")
-def toy_dir(tmp_path_factory):
-    from exgrpo_trl.tasks.toy import addition_splits, build_tiny_model_dir
-
-    out = tmp_path_factory.mktemp("toy")
-    build_tiny_model_dir(out)
-    train, _ = addition_splits(64, 8, seed=0)
-    train.to_json(str(out / "train.jsonl"))
-    return out
-
-
 def _train_args(toy_dir: Path, out: Path, *extra: str) -> list[str]:
     return [
         "train",

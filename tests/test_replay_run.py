@@ -131,6 +131,7 @@ def test_retired_questions_are_skipped_from_the_next_epoch(tmp_path, tokenizer):
 def test_grpo_with_retired_questions_skipped(tmp_path, tokenizer):
     # replay_ratio 0 with skip_retired_without_replay: nothing is replayed, yet the retired questions (every 4th,
     # always solved) are not drawn fresh from epoch 2 on. Without the switch replay_ratio 0 is plain GRPO's sampler.
+    from trl import GRPOTrainer
     from trl.trainer.utils import RepeatSampler
 
     dataset = synthetic_dataset(n=16, always_every=4)
@@ -150,7 +151,15 @@ def test_grpo_with_retired_questions_skipped(tmp_path, tokenizer):
         train_dataset=dataset,
         processing_class=tokenizer,
     )
-    assert type(plain._get_train_sampler()) is RepeatSampler
+    # Without the switch nothing is skipped: the wrapper (there so that its place in the epochs is saved with
+    # checkpoints) yields exactly TRL's sampler's indices, and never looks at the buffer's retired set.
+    sampler = plain._get_train_sampler()
+    assert sampler.retired is not plain.experience_buffer.retired and not sampler.retired
+    reference = GRPOTrainer._get_train_sampler(plain)
+    assert type(reference) is RepeatSampler
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        assert list(sampler) == list(reference)
 
 
 def test_revisit_without_replay(tmp_path, tokenizer):

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from exgrpo_trl.checkpoints import checkpoint_problems, find_resumable_checkpoint
 from exgrpo_trl.cli.train import parse_args, resolve_checkpoint
 from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME
-from exgrpo_trl.utils.checkpoints import checkpoint_problems, find_resumable_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny_cpu.yaml"
@@ -34,26 +34,14 @@ NO_WEIGHTS = "no model weights (model.safetensors, pytorch_model.bin, a sharded 
 ONLY_STATE = f"{NO_WEIGHTS}; no optimizer.pt; no scheduler.pt; no trainer_state.json"
 
 
-@pytest.fixture(scope="module")
-def toy_dir(tmp_path_factory):
-    """A tiny model + char tokenizer and the toy task, written the way `python -m exgrpo_trl.tasks.toy --out` does."""
-    from exgrpo_trl.tasks.toy import addition_splits, build_tiny_model_dir
-
-    out = tmp_path_factory.mktemp("toy")
-    build_tiny_model_dir(out, hidden_size=64, num_layers=2, intermediate_size=128)
-    train, _ = addition_splits(64, 8, seed=0)
-    train.to_json(str(out / "train.jsonl"))
-    return out
-
-
-def _args(toy_dir: Path, out: Path, max_steps: int) -> list[str]:
+def _args(small_toy_dir: Path, out: Path, max_steps: int) -> list[str]:
     return [
         "--config",
         str(TINY),
         "--model_name_or_path",
-        str(toy_dir),
+        str(small_toy_dir),
         "--dataset_name",
-        str(toy_dir / "train.jsonl"),
+        str(small_toy_dir / "train.jsonl"),
         "--output_dir",
         str(out),
         "--max_steps",
@@ -141,6 +129,31 @@ elif point == "trainer_state":  # everything but the end of trainer_state.json, 
             die()
 
     TrainerState.save_to_json = _save_to_json
+elif point == "rotation":  # rotation, after checkpoint-STEP is saved, deletes half of an old checkpoint, then dies
+    import shutil
+    import types
+
+    import exgrpo_trl.checkpoints as checkpoints
+
+    def _rmtree(path, ignore_errors=False):
+        path = Path(path)
+        if path.name.startswith("checkpoint-") and (path.parent / target / "trainer_state.json").exists():
+            files = sorted(p for p in path.rglob("*") if p.is_file())
+            for file in files[: len(files) // 2]:
+                file.unlink()
+            die()
+        return shutil.rmtree(path, ignore_errors=ignore_errors)
+
+    checkpoints.shutil = types.SimpleNamespace(rmtree=_rmtree)
+elif point == "final":  # training done, every checkpoint saved; killed in the end-of-run save of the model
+    save_model = ExGRPOTrainer.save_model
+
+    def _save_model(self, output_dir=None, _internal_call=False):
+        if output_dir is not None and Path(output_dir).resolve() == Path(self.args.output_dir).resolve():
+            die()
+        return save_model(self, output_dir, _internal_call)
+
+    ExGRPOTrainer.save_model = _save_model
 sys.exit(main(["train", *args]))
 """
 
@@ -178,16 +191,16 @@ def _steps_trained(out: Path) -> list[int]:
 # ---------------------------------------------------------------------------------------------------------------
 # Real processes killed while they write a checkpoint
 # ---------------------------------------------------------------------------------------------------------------
-def test_killed_while_saving_then_resumed(toy_dir, tmp_path):
+def test_killed_while_saving_then_resumed(small_toy_dir, tmp_path):
     """Killed while writing the ExGRPO state of checkpoint-2 (only the temporary folder is left), then resumed: the
     resumed run skips checkpoint-2, says why, resumes from checkpoint-1 and finishes."""
     out = tmp_path / "out"
-    crashed = _crash(tmp_path, "exgrpo_state", 2, _args(toy_dir, out, 3))
+    crashed = _crash(tmp_path, "exgrpo_state", 2, _args(small_toy_dir, out, 3))
     assert crashed.returncode == -signal.SIGKILL, _log(crashed)[-3000:]
     (leftover,) = (out / "checkpoint-2").iterdir()
     assert leftover.name.startswith(f".{STATE_DIRNAME}.tmp-") and not (leftover / META_FILENAME).exists()
 
-    resumed = _train(_args(toy_dir, out, 3))
+    resumed = _train(_args(small_toy_dir, out, 3))
     assert resumed.returncode == 0, _log(resumed)[-3000:]
     why = f"an unfinished ExGRPO state ({leftover.name}) and no {STATE_DIRNAME}/; {ONLY_STATE}"
     assert _skip_line(out / "checkpoint-2", why) in _log(resumed)
@@ -197,12 +210,12 @@ def test_killed_while_saving_then_resumed(toy_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_killed_at_every_point_of_a_save(toy_dir, tmp_path):
+def test_killed_at_every_point_of_a_save(small_toy_dir, tmp_path):
     """One run killed four times, each time at another point of saving its next checkpoint, and resumed each time
     from the newest complete one; the fifth run finishes. Then a kill from outside, as soon as a checkpoint's ExGRPO
     state is in place, and a resume judged by what is on disk."""
     out = tmp_path / "out"
-    crashed = _crash(tmp_path, "model", 1, _args(toy_dir, out, 6))  # a first checkpoint with only exgrpo_state/
+    crashed = _crash(tmp_path, "model", 1, _args(small_toy_dir, out, 6))  # a first checkpoint with only exgrpo_state/
     assert crashed.returncode == -signal.SIGKILL, _log(crashed)[-3000:]
     assert sorted(p.name for p in (out / "checkpoint-1").iterdir()) == [STATE_DIRNAME]
 
@@ -214,13 +227,13 @@ def test_killed_at_every_point_of_a_save(toy_dir, tmp_path):
         (4, "trainer_state.json is truncated or corrupted (", None),  # then the JSON error
     ]
     for killed_at, why, next_kill in expected:
-        args = _args(toy_dir, out, 6)
+        args = _args(small_toy_dir, out, 6)
+        skipped = out / f"checkpoint-{killed_at}"
+        if why is None:  # named before the next run: its first save removes the leftover
+            why = f"an unfinished ExGRPO state ({_leftover(skipped).name}) and no {STATE_DIRNAME}/; {ONLY_STATE}"
         run = _crash(tmp_path, *next_kill, args) if next_kill else _train(args)
         log = _log(run)
         assert run.returncode == (-signal.SIGKILL if next_kill else 0), log[-3000:]
-        skipped = out / f"checkpoint-{killed_at}"
-        if why is None:
-            why = f"an unfinished ExGRPO state ({_leftover(skipped).name}) and no {STATE_DIRNAME}/; {ONLY_STATE}"
         (line,) = [x for x in log.splitlines() if x.startswith("Skipping") or " - Skipping " in x]
         if why.endswith("("):
             assert f"Skipping {skipped}: incomplete ({why}" in line and line.endswith(
@@ -236,17 +249,17 @@ def test_killed_at_every_point_of_a_save(toy_dir, tmp_path):
     assert all(not checkpoint_problems(out / f"checkpoint-{n}") for n in range(1, 7))
 
     # From outside: kill as soon as checkpoint-8's ExGRPO state is in place (the rest is being written), then resume.
-    _kill_when(out / "checkpoint-8" / STATE_DIRNAME, _args(toy_dir, out, 9))
-    _resume_and_check(toy_dir, out, 9)
+    _kill_when(out / "checkpoint-8" / STATE_DIRNAME, _args(small_toy_dir, out, 9))
+    _resume_and_check(small_toy_dir, out, 9)
 
 
-def test_killed_from_outside_then_resumed(toy_dir, tmp_path):
+def test_killed_from_outside_then_resumed(small_toy_dir, tmp_path):
     """A real `exgrpo train` killed from outside as soon as its checkpoint-2 folder appears (measured here: every
     time, the folder was empty or held only the temporary ExGRPO state), then resumed and judged by what is on disk."""
     out = tmp_path / "out"
-    _kill_when(out / "checkpoint-2", _args(toy_dir, out, 3))
+    _kill_when(out / "checkpoint-2", _args(small_toy_dir, out, 3))
     assert checkpoint_problems(out / "checkpoint-2")  # what a kill there leaves is incomplete, whatever the moment
-    _resume_and_check(toy_dir, out, 3)
+    _resume_and_check(small_toy_dir, out, 3)
 
 
 def _kill_when(path: Path, args: list[str]) -> None:
@@ -268,12 +281,12 @@ def _kill_when(path: Path, args: list[str]) -> None:
     assert proc.returncode == -signal.SIGKILL
 
 
-def _resume_and_check(toy_dir: Path, out: Path, max_steps: int) -> None:
+def _resume_and_check(small_toy_dir: Path, out: Path, max_steps: int) -> None:
     """Resume and finish; trainer_state.json is written last, so the newest checkpoint whose trainer_state.json
     parses is where the run must resume, and every newer one must be skipped with a reason."""
     steps = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
     complete = max((n for n in steps if _parses(out / f"checkpoint-{n}" / "trainer_state.json")), default=None)
-    resumed = _train(_args(toy_dir, out, max_steps))
+    resumed = _train(_args(small_toy_dir, out, max_steps))
     assert resumed.returncode == 0, _log(resumed)[-3000:]
     if complete is None:
         assert "Resuming from" not in _log(resumed)

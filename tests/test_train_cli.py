@@ -18,19 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny_cpu.yaml"
 
 
-@pytest.fixture(scope="module")
-def toy_dir(tmp_path_factory):
-    """A tiny model + char tokenizer and the toy task, written the way `python -m exgrpo_trl.tasks.toy --out` does."""
-    from exgrpo_trl.tasks.toy import addition_splits, build_tiny_model_dir
-
-    out = tmp_path_factory.mktemp("toy")
-    build_tiny_model_dir(out)
-    train, eval_ = addition_splits(64, 8, seed=0)
-    train.to_json(str(out / "train.jsonl"))
-    eval_.to_json(str(out / "eval.jsonl"))
-    return out
-
-
 def test_load_tokenizer_honours_the_saved_class(toy_dir):
     tok = load_tokenizer(str(toy_dir))
     assert type(tok) is PreTrainedTokenizerFast

@@ -18,6 +18,7 @@ import argparse
 import difflib
 import functools
 import inspect
+import json
 import logging
 import os
 import sys
@@ -32,17 +33,18 @@ import transformers
 from trl import GRPOConfig, ModelConfig, TrlParser, get_peft_config, get_quantization_config
 from trl import ScriptArguments as TrlScriptArguments
 
+from ..checkpoints import checkpoint_problems, checkpoint_step, find_resumable_checkpoint
 from ..config import ExGRPOConfig
 from ..state import StateFileError
 from ..tasks.math_data import filter_long_prompts, load_math_dataset
 from ..tasks.rewards import REWARD_FUNCS, get_reward_funcs
-from ..utils.checkpoints import checkpoint_problems, checkpoint_step, find_resumable_checkpoint
 from ..utils.requirements import require
 from ..utils.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 MODEL_CARD_TAGS = ["exgrpo", "grpo", "experience-replay"]
+RUN_COMPLETE_NAME = "exgrpo_run_complete.json"  # in output_dir, written when a run's end-of-run saves are done
 
 
 @dataclass
@@ -503,6 +505,10 @@ def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args:
     transformers.set_seed(training_args.seed)
 
     checkpoint = resolve_checkpoint(training_args)
+    complete = already_complete(training_args, checkpoint)
+    if complete is not None:
+        print(complete)
+        return 0
     if checkpoint is not None:  # a warning: silently continuing an old run is a surprise worth a line
         logger.warning("Resuming from checkpoint %s (give another output_dir for a fresh run)", checkpoint)
 
@@ -587,8 +593,43 @@ def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args:
         logger.info("Pushing %s to the Hub", what)
         pushed = push_trained_model(trainer, merge_adapter=script_args.merge_adapter_on_push, **card_kwargs)
     if trainer.accelerator.is_main_process:
+        mark_complete(training_args.output_dir, trainer.state.global_step, trainer.state.max_steps)
         print(where_it_went(training_args.output_dir, trainer.state.global_step, is_peft_trainer(trainer), pushed))
     return 0
+
+
+def mark_complete(output_dir: str, global_step: int, max_steps: int) -> None:
+    """Written last, once the model, its card and any push are done: a rerun of the same command then has nothing
+    left to do. A run killed before it (during the end-of-run saves) is finished by the rerun instead."""
+    path = Path(output_dir) / RUN_COMPLETE_NAME
+    tmp = path.with_name(f".{RUN_COMPLETE_NAME}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"global_step": global_step, "max_steps": max_steps}) + "\n")
+    os.replace(tmp, path)
+
+
+def already_complete(training_args: ExGRPOConfig, checkpoint: str | None) -> str | None:
+    """The line `exgrpo train` prints instead of training when the run in output_dir has reached max_steps and its
+    end-of-run saves were finished (`mark_complete`); None when there is training (or a final save) left to do."""
+    if checkpoint is None:
+        return None
+    try:
+        saved = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+        done = json.loads((Path(training_args.output_dir) / RUN_COMPLETE_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    # max_steps from the recipe, or (an epoch-based run) the total the saved run computed from its epochs
+    max_steps = training_args.max_steps if training_args.max_steps > 0 else saved.get("max_steps")
+    step = saved.get("global_step")
+    if not isinstance(step, int) or not isinstance(max_steps, int) or step < max_steps:
+        return None
+    if done.get("global_step") != step:
+        return None  # the end-of-run saves of this step were cut short: resume (training nothing) and redo them
+    out = Path(training_args.output_dir).resolve()
+    return (
+        f"exgrpo train: the run in {out} is already complete (step {step} of max_steps {max_steps}); its model is in "
+        f"{out} and its last checkpoint is {Path(checkpoint).resolve()}. Nothing to train: raise max_steps to train "
+        "on from there, or give another output_dir for a new run."
+    )
 
 
 def where_it_went(output_dir: str, global_step: int, adapter: bool, pushed=None) -> str:

@@ -1,4 +1,4 @@
-"""Which checkpoint a run resumes from: the newest COMPLETE one.
+"""Which checkpoint a run resumes from (the newest COMPLETE one), and which ones rotation deletes.
 
 A process killed while it writes a checkpoint leaves the newest ``checkpoint-N`` folder incomplete. What is there
 depends on the moment, because a checkpoint is written in this order:
@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from safetensors import safe_open
 
-from ..state import STATE_DIRNAME, StateFileError, read_meta, read_small_arrays
+from .state import STATE_DIRNAME, StateFileError, read_meta, read_small_arrays
 
 TRAINER_STATE_NAME = "trainer_state.json"
 ENTROPY_STATE_NAME = "entropy_ctrl_state.json"  # TRL's adaptive entropy coefficient
@@ -167,3 +169,57 @@ def find_resumable_checkpoint(
             return steps[step], skipped
         skipped.append((steps[step], "; ".join(problems)))
     return None, skipped
+
+
+def remove_state_leftovers(output_dir: str | os.PathLike) -> list[str]:
+    """Remove every ``.exgrpo_state.tmp-PID`` folder in `output_dir`'s checkpoints: what a process killed inside
+    `state.save_state` leaves (at the paper's size a full copy of the buffer, about 1.7 GB). Called before a save
+    writes its own; such a folder is never read. Returns the paths removed."""
+    removed = []
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return removed
+    for checkpoint in output_dir.iterdir():
+        if checkpoint_step(checkpoint.name) is None or not checkpoint.is_dir():
+            continue
+        for leftover in checkpoint.glob(f"{STATE_TMP_PREFIX}*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+            removed.append(str(leftover))
+    return removed
+
+
+def rotate_checkpoints(
+    output_dir: str | os.PathLike, save_total_limit: int | None, *, keep: Iterable[str] = (), **requirements
+) -> list[str]:
+    """Delete checkpoints so that at most `save_total_limit` complete ones remain; returns the paths deleted.
+
+    Incomplete checkpoints (`checkpoint_problems`, with `requirements`) go first, whatever their step: what a crash
+    left half-written, or half-deleted by an earlier rotation. Then the complete ones with the lowest steps, never
+    one in `keep` (the checkpoint just written, the best one). Ordered by step, not by folder time: deleting files
+    inside a folder refreshes its time, so a half-deleted checkpoint looked like the newest one.
+    """
+    if save_total_limit is None or save_total_limit <= 0:
+        return []
+    output_dir = Path(output_dir)
+    keep = {str(Path(p).resolve()) for p in keep}
+    found = sorted(
+        (step, path)
+        for path in output_dir.iterdir()
+        if (step := checkpoint_step(path.name)) is not None and path.is_dir()
+    )
+    deleted, complete = [], []
+    for step, path in found:
+        if str(path.resolve()) not in keep and checkpoint_problems(path, **requirements):
+            deleted.append(path)
+        else:
+            complete.append((step, path))
+    excess = len(complete) - max(save_total_limit, sum(str(p.resolve()) in keep for _, p in complete))
+    for _, path in complete:
+        if excess <= 0:
+            break
+        if str(path.resolve()) not in keep:
+            deleted.append(path)
+            excess -= 1
+    for path in deleted:
+        shutil.rmtree(path, ignore_errors=True)
+    return [str(p) for p in deleted]

@@ -1,0 +1,248 @@
+"""Resume that holds at any moment (issue 26): the sampler's place in its epochs is training state, a run resumed at
+max_steps trains nothing, rotation keeps the newest complete checkpoints, no temporary state folder survives, and
+save_steps inside generation batches are named at init.
+
+The kill test (real `exgrpo train` processes killed at random moments) is in test_resume_after_crash.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+
+import pytest
+import torch
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import RepeatSampler
+
+from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
+from exgrpo_trl.buffer import question_key
+from exgrpo_trl.checkpoints import checkpoint_problems, rotate_checkpoints
+from exgrpo_trl.replay import SkipRetiredSampler
+from exgrpo_trl.state import STATE_DIRNAME
+from exgrpo_trl.trainer import save_steps_inside_generation_batches
+
+from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
+from .test_state import state_of
+
+PROMPTS = [f"q{i}" for i in range(12)]
+
+
+def _sampler(retired=None, seed=0):
+    # TRL's sampler as GRPOTrainer builds it: 12 questions, each repeated twice in a row, 3 questions per batch
+    inner = RepeatSampler(PROMPTS, mini_repeat_count=2, batch_size=3, repeat_count=1, shuffle=True, seed=seed)
+    return SkipRetiredSampler(inner, lambda: PROMPTS, set() if retired is None else retired)
+
+
+def _epoch(sampler, epoch):
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+def _roundtrip(state):
+    return json.loads(json.dumps(state))  # what a checkpoint's state.json holds
+
+
+def test_nothing_retired_is_trls_sampler_exactly():
+    plain = RepeatSampler(PROMPTS, mini_repeat_count=2, batch_size=3, repeat_count=1, shuffle=True, seed=0)
+    wrapped = _sampler()
+    for epoch in range(3):
+        assert _epoch(wrapped, epoch) == list(plain)
+
+
+@pytest.mark.parametrize("consumed", [0, 10, 24])  # the start, the middle and the end of epoch 1 (24 indices)
+def test_resume_in_a_later_epoch_draws_that_epochs_order(consumed):
+    straight = _sampler()
+    epochs = [_epoch(straight, e) for e in range(3)]
+    assert epochs[1] != epochs[0] and epochs[2] != epochs[1]  # the generator moves on every epoch
+
+    first = _sampler()
+    _epoch(first, 0)
+    first.set_epoch(1)
+    it = iter(first)
+    for _ in range(consumed):
+        next(it)
+    state = _roundtrip(first.state_dict())
+    assert state["epoch"] == (0 if consumed == 0 else 1)  # epoch 1 begins at its first index, not at iter()
+
+    resumed = _sampler()
+    resumed.load_state_dict(state)
+    # a checkpoint inside epoch 1, or at the end of epoch 0: the Trainer resumes in epoch 1 (skipping what was
+    # trained); at the end of epoch 1 it resumes straight in epoch 2
+    if consumed < 24:
+        assert _epoch(resumed, 1) == epochs[1]
+    assert _epoch(resumed, 2) == epochs[2]
+
+    # TRL's own sampler, rebuilt by a resumed GRPOTrainer, draws epoch 0's order again (nothing restores it)
+    rebuilt = RepeatSampler(PROMPTS, mini_repeat_count=2, batch_size=3, repeat_count=1, shuffle=True, seed=0)
+    assert list(rebuilt) == epochs[0] != epochs[1]
+
+
+def test_resume_replays_passes_begun_under_another_retired_set():
+    """Retirement during an epoch: when the questions not retired run out, a new pass begins over those left then.
+    Resumed, the saved passes are replayed with the sets they had, not today's retired set."""
+    retired = {question_key(p) for p in PROMPTS[:4]}
+    straight = _sampler(retired)
+    _epoch(straight, 0)
+    straight.set_epoch(1)
+    it = iter(straight)
+    head = [next(it) for _ in range(18)]  # 8 questions left: a pass is 16 indices, so a second pass has begun
+    assert len(straight.passes) == 2
+    state = _roundtrip(straight.state_dict())
+    retired.add(question_key(PROMPTS[5]))  # retired after the checkpoint: the passes begun before do not see it
+    tail = list(it)
+
+    resumed = _sampler({question_key(p) for p in PROMPTS[:4]} | {question_key(PROMPTS[5])})
+    resumed.load_state_dict(state)
+    assert _epoch(resumed, 1) == head + tail
+    assert not {0, 1, 2, 3} & set(head + tail)
+
+
+def _trainer(out, tokenizer, cls=ExGRPOTrainer, **overrides):
+    kwargs = config_kwargs(out, save_strategy="steps", save_steps=1, **overrides)
+    config = ExGRPOConfig(replay_start_pass_rate=0.0, **kwargs) if cls is ExGRPOTrainer else GRPOConfig(**kwargs)
+    return cls(
+        model=make_model(tokenizer),
+        reward_funcs=make_reward(tokenizer),
+        args=config,
+        train_dataset=synthetic_dataset(n=16, always_every=4),  # 4 questions a step: an epoch is 4 steps
+        processing_class=tokenizer,
+    )
+
+
+def _resume(tmp_path, straight_dir, name, step, tokenizer, cls=ExGRPOTrainer, **overrides):
+    out = tmp_path / name
+    shutil.copytree(straight_dir / "out" / f"checkpoint-{step}", out / "out" / f"checkpoint-{step}")
+    trainer = _trainer(out, tokenizer, cls, **overrides)
+    trainer.train(resume_from_checkpoint=str(out / "out" / f"checkpoint-{step}"))
+    return trainer
+
+
+def _same_parameters(a, b) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+
+
+def test_resume_in_the_second_and_third_epoch_is_bitwise(tmp_path, tokenizer):
+    """10 steps straight against resumes from step 5 (inside epoch 1), 8 (its end) and 9 (inside epoch 2): the same
+    parameters bitwise and the same buffer. Plain GRPOTrainer resumed at step 5 does not end where it would have,
+    while ExGRPOTrainer with replay_ratio=0 resumed there ends exactly where GRPOTrainer's straight run ends."""
+    straight = _trainer(tmp_path / "straight", tokenizer, max_steps=10)
+    straight.train()
+    assert straight.experience_buffer.retired and straight.experience_buffer.num_trajectories > 0
+    for step in (5, 8, 9):
+        resumed = _resume(tmp_path, tmp_path / "straight", f"from{step}", step, tokenizer, max_steps=10)
+        assert resumed.state.global_step == 10
+        assert _same_parameters(straight, resumed), f"resumed from checkpoint-{step}"
+        assert state_of(resumed.experience_buffer) == state_of(straight.experience_buffer)
+        assert resumed.exgrpo_state == straight.exgrpo_state
+
+    grpo = _trainer(tmp_path / "grpo", tokenizer, GRPOTrainer, max_steps=10)
+    grpo.train()
+    grpo_resumed = _resume(tmp_path, tmp_path / "grpo", "grpo5", 5, tokenizer, GRPOTrainer, max_steps=10)
+    assert not _same_parameters(grpo, grpo_resumed)  # GRPOTrainer's own flaw: epoch 1 drawn in epoch 0's order
+
+    rho0 = _trainer(tmp_path / "rho0", tokenizer, max_steps=10, replay_ratio=0.0)
+    rho0.train()
+    assert _same_parameters(rho0, grpo)
+    rho0_resumed = _resume(tmp_path, tmp_path / "rho0", "rho0from5", 5, tokenizer, max_steps=10, replay_ratio=0.0)
+    assert _same_parameters(rho0_resumed, grpo)
+
+
+def test_resumed_at_max_steps_trains_nothing(tmp_path, tokenizer):
+    """Resumed from its last checkpoint, a finished run takes no step (transformers took one more each time)."""
+    run = _trainer(tmp_path / "run", tokenizer, max_steps=6)  # 6 is inside the second epoch
+    run.train()
+    weights = [p.detach().clone() for p in run.model.parameters()]
+    again = _trainer(tmp_path / "run", tokenizer, max_steps=6)
+    output = again.train(resume_from_checkpoint=str(tmp_path / "run" / "out" / "checkpoint-6"))
+    assert again.state.global_step == 6 == output.global_step
+    assert not (tmp_path / "run" / "out" / "checkpoint-7").exists()
+    assert all(torch.equal(p, q) for p, q in zip(weights, again.model.parameters()))  # the checkpoint's weights
+    assert state_of(again.experience_buffer) == state_of(run.experience_buffer)
+
+
+def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path, tokenizer):
+    """A kill during rotation leaves a checkpoint half-deleted, with the freshest folder time. Rotation used to keep
+    it (transformers orders by time) and delete complete ones; now incomplete ones go first, then the oldest by step.
+    A leftover temporary state folder is removed at the next save."""
+    out = tmp_path / "run" / "out"
+    _trainer(tmp_path / "run", tokenizer, max_steps=4, save_total_limit=0).train()  # keep every checkpoint
+    leftover = out / "checkpoint-4" / f".{STATE_DIRNAME}.tmp-999999"  # a process killed inside save_state
+    shutil.copytree(out / "checkpoint-4" / STATE_DIRNAME, leftover)
+    # checkpoint-3 half-deleted by an interrupted rotation: its weights and optimizer gone, its time the newest
+    for name in ("model.safetensors", "optimizer.pt"):
+        (out / "checkpoint-3" / name).unlink()
+    now = time.time()  # folder times a few seconds apart (transformers orders by step when they are within 1 s)
+    for step in (1, 2, 4):
+        os.utime(out / f"checkpoint-{step}", (now - 10 + step, now - 10 + step))
+    os.utime(out / "checkpoint-3", (now, now))
+
+    from transformers.trainer_utils import sort_checkpoints
+
+    by_time = sort_checkpoints(str(out), use_mtime=True)
+    assert by_time[-1].endswith("checkpoint-3")  # what transformers' rotation would have protected
+
+    resumed = _trainer(tmp_path / "run", tokenizer, max_steps=6, save_total_limit=3)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-4"))
+    # at step 5: 3 (incomplete) deleted first, then 1 (the oldest complete); at step 6: 2
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-5", "checkpoint-6"]
+    assert not leftover.exists() and not list(out.glob(f"checkpoint-*/.{STATE_DIRNAME}.tmp-*"))
+    assert not any(checkpoint_problems(out / f"checkpoint-{step}") for step in (4, 5, 6))
+
+
+def test_rotate_checkpoints_by_hand(tmp_path, tokenizer):
+    out = tmp_path / "run" / "out"
+    _trainer(tmp_path / "run", tokenizer, max_steps=4, save_total_limit=0).train()
+    (out / "checkpoint-4" / "trainer_state.json").write_text("{")  # cut short
+    # limit 2, the newest (incomplete) one kept as the current checkpoint: 4 kept, 3 kept, 1 and 2 deleted
+    deleted = rotate_checkpoints(out, 2, keep=[out / "checkpoint-4"])
+    assert sorted(os.path.basename(p) for p in deleted) == ["checkpoint-1", "checkpoint-2"]
+    # not kept: the incomplete one goes first, the complete one stays
+    assert [os.path.basename(p) for p in rotate_checkpoints(out, 2)] == ["checkpoint-4"]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
+    assert rotate_checkpoints(out, 0) == [] and rotate_checkpoints(out, None) == []
+
+
+@pytest.mark.parametrize(
+    "settings, every",
+    [
+        # (save_steps, steps_per_generation, num_iterations, gradient_accumulation_steps) -> optimizer steps between
+        # generations: spg * iterations micro-batches / GA micro-batches per optimizer step, reduced by their gcd
+        ((3, 2, 1, 1), 2),  # 3 * 1 = 3 micro-batches is not a multiple of 2
+        ((5, 4, 1, 2), 2),  # 5 * 2 = 10 is not a multiple of 4; every 4 / gcd(4, 2) = 2 optimizer steps
+        ((2, 2, 3, 1), 6),  # 2 * 1 = 2, not a multiple of 2 * 3 = 6
+    ],
+)
+def test_save_steps_inside_generation_batches_are_named(settings, every, tmp_path, tokenizer, caplog):
+    save, spg, iterations, accumulation = settings
+    batch = 8 * 4 * spg // accumulation  # rows per micro-batch so that a generation batch holds 4 x spg questions
+    kwargs = config_kwargs(
+        tmp_path,
+        save_strategy="steps",
+        save_steps=save,
+        steps_per_generation=spg,
+        num_iterations=iterations,
+        gradient_accumulation_steps=accumulation,
+        per_device_train_batch_size=batch,
+    )
+    message = save_steps_inside_generation_batches(ExGRPOConfig(**kwargs))
+    assert message is not None and f"save_steps={save} " in message
+    assert message.endswith(f"save_steps that are multiples of {every} resume exactly.")
+    aligned = ExGRPOConfig(**{**kwargs, "save_steps": every * 3})
+    assert save_steps_inside_generation_batches(aligned) is None
+    with caplog.at_level(logging.WARNING):
+        ExGRPOTrainer(
+            model=make_model(tokenizer),
+            reward_funcs=make_reward(tokenizer),
+            args=ExGRPOConfig(**kwargs),
+            train_dataset=synthetic_dataset(n=16),
+            processing_class=tokenizer,
+        )
+    assert message in caplog.text
+
+
+def test_save_steps_of_other_strategies_are_not_judged(tmp_path):
+    assert save_steps_inside_generation_batches(ExGRPOConfig(**config_kwargs(tmp_path, save_steps=3))) is None
