@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -58,7 +59,7 @@ class Task:
     name: str
     description: str
     load: Callable[..., Any]  # (cache_dir, warm_start_steps, progress) -> (model, tokenizer), cached
-    splits: Callable[..., Any]  # (n_train, n_eval) -> (train Dataset, eval Dataset)
+    splits: Callable[..., Any]  # (n_train, n_eval, cache_dir) -> (train Dataset, eval Dataset)
     reward: Callable[..., list[float]]
     evaluate: Callable[..., dict]  # (model, tokenizer, dataset, samples, seed) -> overall, by_difficulty, per_q
     difficulty: str  # dataset column holding the difficulty
@@ -66,13 +67,24 @@ class Task:
     learning_rate: float
     steps: int
     max_completion_length: int
-    prompts_per_step: int = 16
+    prompts_per_step: int = 16  # questions per optimizer update
+    steps_per_generation: int = 1  # optimizer updates per generation batch (the paper: 2, 128 questions in 2 x 64)
     num_generations: int = 8
     train_questions: int = 2000
     eval_questions: int = 200
     eval_samples: int = 8
     eval_every: int = 25
     exgrpo: dict = field(default_factory=dict)  # ExGRPO settings of the task (e.g. a weak start replays at once)
+    final_eval_seeds: int = 1  # the final model evaluated again on this many sampling seeds (the estimate's noise)
+
+    @property
+    def step_size(self) -> float:
+        """Learning rate per question of an optimizer update: how far one question moves the model."""
+        return self.learning_rate / self.prompts_per_step
+
+    @property
+    def generation_questions(self) -> int:
+        return self.prompts_per_step * self.steps_per_generation
 
 
 def _addition_load(cache_dir, warm_start_steps, progress):
@@ -81,7 +93,7 @@ def _addition_load(cache_dir, warm_start_steps, progress):
     return load_or_train_warm_start(cache_dir, steps=warm_start_steps, seed=0, progress=progress, **TOY_MODEL)
 
 
-def _addition_splits(n_train, n_eval):
+def _addition_splits(n_train, n_eval, cache_dir=None):
     from ..tasks.toy import addition_splits
 
     return addition_splits(n_train, n_eval, seed=0)
@@ -106,10 +118,16 @@ def _countdown_load(cache_dir, warm_start_steps, progress):
     return countdown_warm_start(cache_dir, warm_start_steps, seed=0, progress=progress)
 
 
-def _countdown_splits(n_train, n_eval):
+def _countdown_splits(n_train, n_eval, cache_dir=None):
     from ..tasks.countdown import countdown_splits
 
     return countdown_splits(n_train, n_eval, seed=0)
+
+
+def _countdown_pool_splits(n_train, n_eval, cache_dir=None):
+    from ..tasks.countdown import countdown_pool_splits
+
+    return countdown_pool_splits(n_train, n_eval, cache_dir=cache_dir, seed=0)
 
 
 def _countdown_reward(completions, numbers, target, **kwargs):
@@ -178,6 +196,50 @@ TASKS: dict[str, Task] = {
 }
 
 
+# The paper-shaped setting and the step-size sweep: Countdown in the paper's batch shape (a generation batch of 128
+# questions x 8 rollouts, two optimizer updates of 64 questions), over nearly the whole train pool so that ExGRPO
+# draws each training question fresh about once, with the delayed start at the paper's 0.35. Its points differ only
+# in the learning rate, so lr / questions per update (the step one question moves the model) runs from the earlier
+# settings' 3.1e-6 down; the smallest is the paper-shaped point.
+SWEEP_FAMILY = "countdown-paper"
+PAPER_SHAPE = dict(
+    prompts_per_step=64,
+    steps_per_generation=2,
+    train_questions=16000,
+    eval_questions=1000,
+    eval_every=25,
+    final_eval_seeds=4,
+)
+SWEEP_WARM_START = 2000
+SWEEP_POINTS = {  # learning rate -> optimizer updates
+    "2e-4": 300,
+    "1e-4": 400,
+    "5e-5": 500,
+    "2.5e-5": 600,
+}
+
+
+def _sweep_point(lr: str, steps: int) -> Task:
+    return Task(
+        name=f"{SWEEP_FAMILY}-lr{lr}",
+        description=f"Countdown, the paper's batch shape and delayed start, lr {lr} ({float(lr) / 64:.1e} a question)",
+        load=_countdown_load,
+        splits=_countdown_pool_splits,
+        reward=_countdown_reward,
+        evaluate=_countdown_evaluate,
+        difficulty="difficulty",
+        warm_start_steps=SWEEP_WARM_START,
+        learning_rate=float(lr),
+        steps=steps,
+        max_completion_length=16,
+        exgrpo={"replay_start_pass_rate": 0.35},
+        **PAPER_SHAPE,
+    )
+
+
+TASKS.update({f"{SWEEP_FAMILY}-lr{lr}": _sweep_point(lr, steps) for lr, steps in SWEEP_POINTS.items()})
+
+
 @dataclass(frozen=True)
 class Arm:
     description: str
@@ -210,6 +272,7 @@ def _config_kwargs(task: Task, seed: int, output_dir: str) -> dict:
         output_dir=output_dir,
         max_steps=task.steps,
         per_device_train_batch_size=task.prompts_per_step * task.num_generations,
+        steps_per_generation=task.steps_per_generation,
         num_generations=task.num_generations,
         max_completion_length=task.max_completion_length,
         temperature=1.0,
@@ -266,7 +329,7 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
     start = time.perf_counter()
     model, tokenizer = task.load(cache_dir, task.warm_start_steps, False)
     warm = copy.deepcopy(model)
-    train_set, eval_set = task.splits(task.train_questions, task.eval_questions)
+    train_set, eval_set = task.splits(task.train_questions, task.eval_questions, cache_dir)
     kwargs = _config_kwargs(task, seed, os.path.join(workdir, f"{task.name}-{arm_name}-seed{seed}"))
     if arm.exgrpo is None:
         from trl import GRPOConfig, GRPOTrainer
@@ -277,11 +340,24 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
         from ..trainer import ExGRPOTrainer
 
         config, trainer_cls = ExGRPOConfig(**kwargs, **{**task.exgrpo, **arm.exgrpo}), ExGRPOTrainer
+    seen: Counter = Counter()  # training question -> rollouts scored (fresh and replayed rows alike)
+    solved: Counter = Counter()  # training question -> successful rollouts among them
+
+    @functools.wraps(task.reward)
+    def reward(prompts, completions, **columns):
+        rewards = task.reward(prompts=prompts, completions=completions, **columns)
+        for prompt, r in zip(prompts, rewards):
+            seen[prompt] += 1
+            solved[prompt] += r is not None and r >= 1.0
+        return rewards
+
     trainer = trainer_cls(
-        model=model, reward_funcs=[task.reward], args=config, train_dataset=train_set, processing_class=tokenizer
+        model=model, reward_funcs=[reward], args=config, train_dataset=train_set, processing_class=tokenizer
     )
-    k, groups = task.num_generations, task.prompts_per_step
+    k, groups, spg = task.num_generations, task.generation_questions, task.steps_per_generation
     progress = progress_path(cache_dir, task.name, arm_name, seed)
+    # One entry per optimizer step; a generation batch is drawn at the first update of each `spg`, and its figures
+    # (questions, replays, rollouts) are logged at that step, zeros at the others.
     steps_log: dict[str, list] = {
         "rollouts": [], "fresh_questions": [], "replayed": [], "replayed_difficulty": [],
         "batch_pass_at_1": [], "buffer_questions": [], "retired": [],
@@ -299,12 +375,14 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
 
     class Recorder(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
-            plan = getattr(trainer, "last_replay_plan", None)
+            generated_now = (state.global_step - 1) % spg == 0  # TRL generates every spg optimizer steps
+            plan = getattr(trainer, "last_replay_plan", None) if generated_now else None
             replayed = len(plan.keys) if plan is not None else 0
             generated = groups * k - (replayed if plan is not None and plan.with_trajectories else 0)
+            generated = generated if generated_now else 0
             total = (steps_log["rollouts"][-1] if steps_log["rollouts"] else 0) + generated
             steps_log["rollouts"].append(total)
-            steps_log["fresh_questions"].append(groups - replayed)
+            steps_log["fresh_questions"].append(groups - replayed if generated_now else 0)
             steps_log["replayed"].append(replayed)
             steps_log["replayed_difficulty"].append([row.get(task.difficulty) for row in plan.rows] if plan else [])
             replay_counts.update(plan.keys if plan is not None else [])
@@ -346,6 +424,11 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
             "final": _evaluation(task, trainer.model, tokenizer, probe_set, seed),
         }
     histogram = Counter(replay_counts.values())
+    # The held-out estimate's own noise: the final model evaluated again with other sampling seeds.
+    resampled = [
+        _evaluation(task, trainer.model, tokenizer, eval_set, 1000 + seed * 100 + j)["overall"]
+        for j in range(1, task.final_eval_seeds)
+    ]
     record = {
         "task": task.name,
         "arm": arm_name,
@@ -368,10 +451,17 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
             "histogram": {str(c): n for c, n in sorted(histogram.items())},
         },
         "probes": probes,
+        "questions": {
+            "pool": len(train_set),
+            "seen": len(seen),
+            "never_solved": sum(1 for prompt in seen if solved[prompt] == 0),
+            "fresh_visits": sum(steps_log["fresh_questions"]),
+        },
         "final": {
             "pass_at_1": curve["pass_at_1"][-1],
             "by_difficulty": {d: v[-1] for d, v in curve["by_difficulty"].items()},
             "rollouts": steps_log["rollouts"][-1],
+            "pass_at_1_resampled": [curve["pass_at_1"][-1], *resampled],
         },
     }
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -416,10 +506,15 @@ def run_missing(
 
     Progress: one bar over runs, its postfix the step each running run is at; or, with `step_bars` (run -> label),
     one bar of steps per run instead."""
+    import torch
     from tqdm.auto import tqdm
 
-    for task in {t for t, _, _ in todo}:  # build each warm start once, before the children need it
+    from ..utils.threads import default_cpu_threads
+
+    torch.set_num_threads(default_cpu_threads())  # the warm starts below; a busy machine slows 2 threads 5-17 times
+    for task in sorted({t for t, _, _ in todo}):  # build each warm start and data split once, before the children
         tasks[task].load(str(args.cache_dir), tasks[task].warm_start_steps, not args.no_progress)
+        tasks[task].splits(tasks[task].train_questions, tasks[task].eval_questions, str(args.cache_dir))
     logs = Path(args.cache_dir) / "study-logs"
     logs.mkdir(parents=True, exist_ok=True)
     pending, running, failures = list(todo), {}, []
@@ -618,7 +713,36 @@ def report(results: Path, tasks: list[str] | None, arms: list[str] | None) -> tu
     (results / "results.md").write_text(table + "\n")
     plotted = [a for a in ARMS if any(r["arm"] == a for r in runs)]
     figure(runs, results / "study.png", plotted)
+    if any(r["task"].startswith(SWEEP_FAMILY) for r in runs):
+        table += "\n" + sweep_report(runs, results)
+        (results / "results.md").write_text(table + "\n")
     return summary, table
+
+
+def sweep_report(runs: list[dict], results: Path) -> str:
+    """The regime table, the step-size sweep and its figure (`regimes`), written as sweep.json and sweep.png."""
+    from . import regimes
+
+    points = regimes.sweep(runs, SWEEP_FAMILY)
+    old = [p for name in TASKS if not name.startswith(SWEEP_FAMILY) for p in regimes.sweep(runs, name)]
+    by_task: dict[str, list[dict]] = {}
+    for record in runs:
+        by_task.setdefault(record["task"], []).append(record)
+    stats = {name: regimes.regime_stats(records) for name, records in by_task.items()}
+    noise = regimes.estimate_noise([r for r in runs if r["task"].startswith(SWEEP_FAMILY)])
+    payload = {"points": points, "earlier_settings": old, "regimes": stats, "estimate_noise": noise}
+    (results / "sweep.json").write_text(json.dumps(payload, indent=1) + "\n")
+    regimes.sweep_figure(points, old, results / "sweep.png", noise["std"] if noise else None)
+    lines = ["### Step-size sweep: ExGRPO minus GRPO (paired by seed, median [min, max])", ""]
+    lines += [regimes.sweep_markdown(points, old), ""]
+    if noise:
+        lines += [
+            f"Held-out estimate noise: one final model evaluated with {noise['evaluations_per_run']} sampling seeds "
+            f"varies by {noise['std']:.4f} (standard deviation pooled over {noise['runs']} runs).",
+            "",
+        ]
+    lines += ["### Regimes: the paper's run beside each setting", "", regimes.regime_markdown(stats), ""]
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------ command line
@@ -661,9 +785,16 @@ def _overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
+# The sweep's generation batch (128 questions) would not fit in QUICK's 64 training questions.
+QUICK_SWEEP = dict(prompts_per_step=8, final_eval_seeds=2)
+
+
 def _tasks(quick: bool, overrides: dict[str, Any] | None = None) -> dict[str, Task]:
-    extra = {**(QUICK if quick else {}), **(overrides or {})}
-    return {name: dataclasses.replace(t, **extra) for name, t in TASKS.items()}
+    tasks = {}
+    for name, task in TASKS.items():
+        extra = {**(QUICK if quick else {}), **(QUICK_SWEEP if quick and name.startswith(SWEEP_FAMILY) else {})}
+        tasks[name] = dataclasses.replace(task, **extra, **(overrides or {}))
+    return tasks
 
 
 def main(argv: list[str] | None = None) -> int:
