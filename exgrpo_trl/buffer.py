@@ -1,4 +1,4 @@
-"""The experience buffer of ExGRPO (SPEC §2-5): successful trajectories keyed by question, success buckets, the
+"""The experience buffer of ExGRPO (algorithm §2-5): successful trajectories keyed by question, success buckets, the
 retired set, and the bucket sampler.
 
 This module knows nothing of the training loop: no trl, transformers or accelerate imports. It stores plain arrays
@@ -37,7 +37,7 @@ def question_key(prompt: Any) -> str:
 def gaussian_bucket_probabilities(
     nonempty_buckets: Iterable[int], num_generations: int, mu: float = 0.5, sigma: float = 1.0
 ) -> dict[int, float]:
-    """P(bucket k) proportional to N(k; mu * K, sigma) over the non-empty buckets only (SPEC §5).
+    """P(bucket k) proportional to N(k; mu * K, sigma) over the non-empty buckets only (algorithm §5).
 
     The density is taken on the success-count scale (as the reference code does): with K = 8, mu = 0.5, sigma = 1
     and all buckets non-empty this is {1: .0044, 2: .0540, 3: .2420, 4: .3990, 5: .2420, 6: .0540, 7: .0044}.
@@ -197,7 +197,7 @@ class ExperienceBuffer:
 
     # ------------------------------------------------------------------ collection
     def retire(self, key: str) -> None:
-        """Permanently retire a question (SPEC §4): it leaves the buffer and is never replayed again."""
+        """Permanently retire a question (algorithm §4): it leaves the buffer and is never replayed again."""
         entry = self.questions.pop(key, None)
         if entry is not None:
             self._buckets[entry.k].pop(key, None)

@@ -1,4 +1,4 @@
-"""The replay bookkeeping of one generation batch (SPEC §2-5, §7), free of the training loop.
+"""The replay bookkeeping of one generation batch (algorithm §2-5, §7), free of the training loop.
 
 No trl, transformers or accelerate imports (`scripts/check_imports.py` enforces it): everything here works on plain
 lists, dicts, numpy arrays and CPU tensors, and is tested directly in `tests/test_replay.py`. `trainer.py` calls these
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------------------------------------ 1. drawing
 def replay_count(buffer_questions: int, replay_ratio: float, num_groups: int) -> int:
-    """n_exp = min(#questions in the buffer, floor(rho * #groups)) (SPEC §5). The epsilon keeps 0.5 * 6 at 3."""
+    """n_exp = min(#questions in the buffer, floor(rho * #groups)) (algorithm §5). The epsilon keeps 0.5 * 6 at 3."""
     return min(buffer_questions, math.floor(replay_ratio * num_groups + 1e-9))
 
 
@@ -48,7 +48,7 @@ class ReplayQuestion:
 def draw_replay_questions(
     buffer: ExperienceBuffer, n: int, *, trajectory_selection: str, max_candidates: int | None
 ) -> list[ReplayQuestion]:
-    """Sample `n` questions from the buffer (SPEC §5) and shortlist each one's candidates (SPEC §6).
+    """Sample `n` questions from the buffer (algorithm §5) and shortlist each one's candidates (algorithm §6).
 
     `random` selection draws its one trajectory here, uniformly over all stored ones, and scores nothing; the other
     rules keep at most `max_candidates`, ranked by stored log-likelihood (`buffer.shortlist_candidates`).
@@ -168,7 +168,7 @@ class BatchOutcome:
 def batch_outcome(
     rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, threshold: float, k: int
 ) -> BatchOutcome:
-    """A row is solved when its weighted total reward reaches `threshold` (SPEC §2); NaN rewards (a function that
+    """A row is solved when its weighted total reward reaches `threshold` (algorithm §2); NaN rewards (a function that
     returned None) count as 0, and a row with every reward NaN is never solved. `rewards_per_func`: (N, F)."""
     total = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)  # (N,)
     solved = (total >= threshold) & ~torch.isnan(rewards_per_func).all(dim=1)  # (N,)
@@ -220,7 +220,7 @@ def collect(
     step: int,
     masks: Sequence[Sequence[int] | None] | None = None,
 ) -> PendingCollection:
-    """What this rank will commit (SPEC §2, §4): every group with k > 0 (K/K retires it; before the delayed start
+    """What this rank will commit (algorithm §2, §4): every group with k > 0 (K/K retires it; before the delayed start
     only retirement counts), and, while collecting, the solved fresh rows of groups with 0 < k < K whose completion
     the model ended: its last token is a stop token and the model's (a truncated completion, or a multi-turn one
     whose last tokens a tool or an environment wrote, is never stored). `masks`: per local row, 1 for the model's
@@ -279,7 +279,7 @@ def commit(
 
 # ------------------------------------------------------------------------------------------------ sampler
 class SkipRetiredSampler(torch.utils.data.Sampler):
-    """Wraps TRL's RepeatSampler so that fresh questions are drawn only among those not retired (SPEC §4), and so
+    """Wraps TRL's RepeatSampler so that fresh questions are drawn only among those not retired (algorithm §4), and so
     that where it is in its epochs is training state that a checkpoint can hold.
 
     The inner sampler permutes `num_samples` positions with its own generator; we point those positions at the rows

@@ -1,4 +1,4 @@
-"""Batching of stored trajectories for entropy scoring (SPEC §6), independent of the training loop."""
+"""Batching of stored trajectories for entropy scoring (algorithm §6), independent of the training loop."""
 
 from __future__ import annotations
 

@@ -482,7 +482,7 @@ class ExGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------ replay plan
     def _exgrpo_make_plan(self, num_local: int) -> ReplayPlan | None:
         """Draw the replayed questions on the main process, broadcast them, and select one trajectory per question:
-        the lowest (or highest) mean entropy under the current policy among its candidates (SPEC §5-6)."""
+        the lowest (or highest) mean entropy under the current policy among its candidates (algorithm §5-6)."""
         cfg: ExGRPOConfig = self.args
         num_groups = num_local * self.accelerator.num_processes // self.num_generations
         if not (self.exgrpo_state["replay_active"] and cfg.replay_ratio > 0):
@@ -699,7 +699,7 @@ class ExGRPOTrainer(GRPOTrainer):
             output["exgrpo_behaviour_logps"] = behaviour
 
     def _exgrpo_check_delayed_start(self, outcome: BatchOutcome) -> None:
-        """SPEC §7: judged on a purely on-policy batch, effective from the next generation batch, then stays on."""
+        """Algorithm §7: judged on a purely on-policy batch, effective from the next generation batch; stays on."""
         threshold = self.args.replay_start_pass_rate or 0.0
         if not self.exgrpo_state["replay_active"] and outcome.pass_at_1 > threshold:
             self.exgrpo_state["replay_active"] = True

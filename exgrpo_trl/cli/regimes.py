@@ -283,7 +283,8 @@ def sweep_figure(points: list[dict], old: list[dict], path: Path, noise: float |
         ax.set_ylabel("ExGRPO - GRPO")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
