@@ -8,6 +8,7 @@ bucket without any warm start: a completion counts as solved when it ends with E
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -73,6 +74,16 @@ def config_kwargs(tmp_path, **overrides):
     )
     kwargs.update(overrides)
     return kwargs
+
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_RECIPE = ROOT / "recipes" / "tiny_cpu.yaml"
+
+
+def toy_recipe_args(toy_dir, out) -> list[str]:
+    """`exgrpo train` arguments: the CPU recipe on a toy model folder (`toy_dir`), writing into `out`."""
+    return ["--config", str(TINY_RECIPE), "--model_name_or_path", str(toy_dir), "--dataset_name",
+            str(toy_dir / "train.jsonl"), "--output_dir", str(out)]  # fmt: skip
 
 
 def _write_toy_dir(out, **model_kwargs):

@@ -16,8 +16,8 @@ import pytest
 
 from exgrpo_trl.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "recipes" / "tiny_cpu.yaml"
+from .conftest import ROOT, TINY_RECIPE, toy_recipe_args
+
 ENV = {
     **os.environ,
     "TOKENIZERS_PARALLELISM": "false",
@@ -30,14 +30,7 @@ ENV = {
 def _train_args(toy_dir: Path, out: Path, *extra: str) -> list[str]:
     return [
         "train",
-        "--config",
-        str(TINY),
-        "--model_name_or_path",
-        str(toy_dir),
-        "--dataset_name",
-        str(toy_dir / "train.jsonl"),
-        "--output_dir",
-        str(out),
+        *toy_recipe_args(toy_dir, out),
         "--per_device_train_batch_size",
         "16",
         "--generation_batch_size",
@@ -101,7 +94,7 @@ def test_no_deprecation_warning_for_an_option_not_used():
         warnings.simplefilter("error", FutureWarning)
         args = ExGRPOConfig(output_dir="out", use_cpu=True, bf16=False)
         assert args.activation_checkpointing is True and args.gradient_checkpointing is True  # TRL's default kept
-        _, args, _ = parse_args(["--config", str(TINY)])
+        _, args, _ = parse_args(["--config", str(TINY_RECIPE)])
         assert args.activation_checkpointing is False and args.gradient_checkpointing is False
         for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
             assert "\ngradient_checkpointing" not in recipe.read_text(), recipe.name
@@ -382,5 +375,5 @@ def test_train_checks_the_packages_its_recipe_needs_first(tmp_path, monkeypatch,
     from exgrpo_trl.utils import requirements
 
     monkeypatch.setattr(requirements, "missing", lambda module: module in ("vllm", "deepspeed"))
-    assert main(["train", "--config", str(TINY), "--output_dir", str(tmp_path / "out"), *argv]) == 1
+    assert main(["train", "--config", str(TINY_RECIPE), "--output_dir", str(tmp_path / "out"), *argv]) == 1
     assert capsys.readouterr().err.splitlines()[-1] == f"exgrpo train: error: {message} (--debug shows the traceback)"

@@ -31,15 +31,15 @@ from safetensors.numpy import load_file
 from exgrpo_trl.checkpoints import checkpoint_problems, checkpoint_step
 from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME
 
-from .test_resume_after_crash import CRASH_AT, ENV, ROOT, TINY
+from .conftest import ROOT, toy_recipe_args
+from .test_resume_after_crash import CRASH_AT, ENV
 
 MAX_STEPS = 36
 
 
 def _args(toy_dir: Path, out: Path) -> list[str]:
     return [
-        "--config", str(TINY), "--model_name_or_path", str(toy_dir), "--dataset_name", str(toy_dir / "train.jsonl"),
-        "--output_dir", str(out), "--max_steps", str(MAX_STEPS), "--save_steps", "2", "--save_total_limit", "2",
+        *toy_recipe_args(toy_dir, out), "--max_steps", str(MAX_STEPS), "--save_steps", "2", "--save_total_limit", "2",
         "--logging_steps", "1", "--per_device_train_batch_size", "32", "--generation_batch_size", "64",
         "--replay_start_pass_rate", "0", "--disable_tqdm", "true",
     ]  # fmt: skip

@@ -28,22 +28,15 @@ from exgrpo_trl.checkpoints import checkpoint_problems, find_resumable_checkpoin
 from exgrpo_trl.cli.train import parse_args, resolve_checkpoint
 from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "recipes" / "tiny_cpu.yaml"
+from .conftest import ROOT, TINY_RECIPE, toy_recipe_args
+
 NO_WEIGHTS = "no model weights (model.safetensors, pytorch_model.bin, a sharded index or an adapter)"
 ONLY_STATE = f"{NO_WEIGHTS}; no optimizer.pt; no scheduler.pt; no trainer_state.json"
 
 
 def _args(small_toy_dir: Path, out: Path, max_steps: int) -> list[str]:
     return [
-        "--config",
-        str(TINY),
-        "--model_name_or_path",
-        str(small_toy_dir),
-        "--dataset_name",
-        str(small_toy_dir / "train.jsonl"),
-        "--output_dir",
-        str(out),
+        *toy_recipe_args(small_toy_dir, out),
         "--max_steps",
         str(max_steps),
         "--save_steps",
@@ -405,13 +398,13 @@ def test_incomplete_checkpoint_is_skipped_saying_why(tmp_path, complete_checkpoi
     assert path == str(out / "checkpoint-2")
     assert reason == why if not why.endswith("(") and not why.endswith(": ") else reason.startswith(why), reason
 
-    _, args, _ = parse_args(["--config", str(TINY), "--output_dir", str(out)])
+    _, args, _ = parse_args(["--config", str(TINY_RECIPE), "--output_dir", str(out)])
     with caplog.at_level(logging.WARNING, logger="exgrpo_trl.cli.train"):
         assert resolve_checkpoint(args) == str(out / "checkpoint-1")
     assert [r.getMessage() for r in caplog.records] == [_skip_line(out / "checkpoint-2", reason)]
 
     # named explicitly, it is refused with the same reason
-    _, args, _ = parse_args(["--config", str(TINY), "--resume_from_checkpoint", str(out / "checkpoint-2")])
+    _, args, _ = parse_args(["--config", str(TINY_RECIPE), "--resume_from_checkpoint", str(out / "checkpoint-2")])
     with pytest.raises(ValueError) as info:
         resolve_checkpoint(args)
     assert str(info.value) == (
@@ -436,7 +429,7 @@ def test_complete_enough_checkpoints_are_taken(tmp_path, complete_checkpoint, ca
 def test_save_only_model_needs_no_optimizer(tmp_path, complete_checkpoint):
     out = _output_dir(tmp_path, complete_checkpoint, DAMAGES["no optimizer"][0])
     assert find_resumable_checkpoint(out, need_optimizer=False) == (str(out / "checkpoint-2"), [])
-    _, args, _ = parse_args(["--config", str(TINY), "--output_dir", str(out), "--save_only_model", "true"])
+    _, args, _ = parse_args(["--config", str(TINY_RECIPE), "--output_dir", str(out), "--save_only_model", "true"])
     assert resolve_checkpoint(args) == str(out / "checkpoint-2")
 
 
@@ -444,7 +437,7 @@ def test_resume_from_checkpoint_values(tmp_path, complete_checkpoint, caplog):
     """Unset: the newest complete checkpoint, or none; true (YAML's true, or 'true' on the command line): the same,
     but none is an error; false: a fresh run even with checkpoints there."""
     out = _output_dir(tmp_path, complete_checkpoint, DAMAGES["no trainer_state.json"][0])
-    base = ["--config", str(TINY), "--output_dir", str(out)]
+    base = ["--config", str(TINY_RECIPE), "--output_dir", str(out)]
     for value in ("true", "True", "yes", "1"):
         assert resolve_checkpoint(parse_args([*base, "--resume_from_checkpoint", value])[1]) == str(
             out / "checkpoint-1"
@@ -466,4 +459,7 @@ def test_resume_from_checkpoint_values(tmp_path, complete_checkpoint, caplog):
         f"resume_from_checkpoint is true but {out} holds no complete checkpoint (1 incomplete, skipped); leave it "
         "unset to start a fresh run when there is none."
     )
-    assert resolve_checkpoint(parse_args(["--config", str(TINY), "--output_dir", str(tmp_path / "new")])[1]) is None
+    assert (
+        resolve_checkpoint(parse_args(["--config", str(TINY_RECIPE), "--output_dir", str(tmp_path / "new")])[1])
+        is None
+    )

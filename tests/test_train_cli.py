@@ -14,8 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from exgrpo_trl.cli.train import load_tokenizer, model_init_kwargs, parse_args, resolve_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "recipes" / "tiny_cpu.yaml"
+from .conftest import ROOT, TINY_RECIPE, toy_recipe_args
 
 
 def test_load_tokenizer_honours_the_saved_class(toy_dir):
@@ -45,7 +44,7 @@ def _minimal_checkpoint(path: Path, step: int) -> None:
 
 def test_resolve_checkpoint(tmp_path):
     out = tmp_path / "out"
-    _, args, _ = parse_args(["--config", str(TINY), "--output_dir", str(out)])
+    _, args, _ = parse_args(["--config", str(TINY_RECIPE), "--output_dir", str(out)])
     assert resolve_checkpoint(args) is None  # no output_dir yet
     for step in (5, 12, 9):
         _minimal_checkpoint(out / f"checkpoint-{step}", step)
@@ -53,13 +52,13 @@ def test_resolve_checkpoint(tmp_path):
     (out / "checkpoint-100").mkdir()  # an interrupted save: skipped (tests/test_resume_after_crash.py)
     assert resolve_checkpoint(args) == str(out / "checkpoint-12")
     _, args, _ = parse_args(
-        ["--config", str(TINY), "--output_dir", str(out), "--resume_from_checkpoint", str(out / "checkpoint-5")]
+        ["--config", str(TINY_RECIPE), "--output_dir", str(out), "--resume_from_checkpoint", str(out / "checkpoint-5")]
     )
     assert resolve_checkpoint(args) == str(out / "checkpoint-5")
 
 
 def test_model_init_kwargs_from_model_config():
-    _, args, model_args = parse_args(["--config", str(TINY)])
+    _, args, model_args = parse_args(["--config", str(TINY_RECIPE)])
     assert model_init_kwargs(model_args, args) == {
         "revision": "main",
         "trust_remote_code": False,
@@ -69,7 +68,7 @@ def test_model_init_kwargs_from_model_config():
     _, args, model_args = parse_args(
         [
             "--config",
-            str(TINY),
+            str(TINY_RECIPE),
             "--gradient_checkpointing",
             "true",
             "--attn_implementation",
@@ -91,7 +90,7 @@ def test_model_init_kwargs_from_model_config():
 def test_peft_comes_from_model_config():
     from trl import get_peft_config
 
-    _, _, model_args = parse_args(["--config", str(TINY), "--use_peft", "true", "--lora_r", "4"])
+    _, _, model_args = parse_args(["--config", str(TINY_RECIPE), "--use_peft", "true", "--lora_r", "4"])
     peft_config = get_peft_config(model_args)
     assert peft_config.r == 4 and peft_config.lora_alpha == 32
 
@@ -99,11 +98,11 @@ def test_peft_comes_from_model_config():
 def test_missing_model_or_dataset_is_reported():
     from exgrpo_trl.cli import train as train_module
 
-    script_args, args, model_args = parse_args(["--config", str(TINY)])
+    script_args, args, model_args = parse_args(["--config", str(TINY_RECIPE)])
     model_args.model_name_or_path = None
     with pytest.raises(ValueError, match="model_name_or_path is required"):
         train_module.train(script_args, args, model_args)
-    script_args, args, model_args = parse_args(["--config", str(TINY)])
+    script_args, args, model_args = parse_args(["--config", str(TINY_RECIPE)])
     script_args.dataset_name = None
     with pytest.raises(ValueError, match="dataset_name is required"):
         train_module.train(script_args, args, model_args)
@@ -123,14 +122,7 @@ def _entry_point(name: str) -> list[str]:
 def _run(entry: str, toy_dir: Path, out: Path, max_steps: int, *extra: str) -> subprocess.CompletedProcess:
     cmd = [
         *_entry_point(entry),
-        "--config",
-        str(TINY),
-        "--model_name_or_path",
-        str(toy_dir),
-        "--dataset_name",
-        str(toy_dir / "train.jsonl"),
-        "--output_dir",
-        str(out),
+        *toy_recipe_args(toy_dir, out),
         "--max_steps",
         str(max_steps),
         "--save_steps",
@@ -233,7 +225,7 @@ def test_help_leads_with_usage_config_and_exgrpo_options(capsys, monkeypatch):
 
 def _bad_recipe(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text(TINY.read_text() + "\nreplay_ration: 0.5\n")
+    bad.write_text(TINY_RECIPE.read_text() + "\nreplay_ration: 0.5\n")
     return bad
 
 
@@ -243,23 +235,30 @@ def _bad_recipe(tmp_path):
         (["--config", "recipes/nope.yaml"], 2, "--config recipes/nope.yaml: no such file"),
         (["--config"], 2, "--config needs the recipe's path: --config RECIPE.yaml"),
         (
-            ["--config", str(TINY), "--learning_rte", "1e-4"],
+            ["--config", str(TINY_RECIPE), "--learning_rte", "1e-4"],
             2,
             "unknown option --learning_rte (did you mean --learning_rate?)",
         ),
         (
-            ["--config", str(TINY), "--max_steps", "abc"],
+            ["--config", str(TINY_RECIPE), "--max_steps", "abc"],
             2,
             "argument --max_steps/--max-steps: invalid int value: 'abc'",
         ),
         (
-            ["--config", str(TINY), "--replay_ratio", "2"],
+            ["--config", str(TINY_RECIPE), "--replay_ratio", "2"],
             1,
             "replay_ratio must be in [0, 1], got 2.0. (--debug shows the traceback)",
         ),
         (["--config", "BAD"], 2, "unknown key replay_ration in BAD (did you mean replay_ratio?)"),
         (
-            ["--config", str(TINY), "--model_name_or_path", "/nowhere/tiny", "--dataset_name", "/nowhere/t.jsonl"],
+            [
+                "--config",
+                str(TINY_RECIPE),
+                "--model_name_or_path",
+                "/nowhere/tiny",
+                "--dataset_name",
+                "/nowhere/t.jsonl",
+            ],
             1,
             "model_name_or_path /nowhere/tiny is a local path that does not exist (/nowhere/tiny); create it first "
             "(a recipe's header says how), or give a Hub id (org/name). (--debug shows the traceback)",
@@ -282,10 +281,10 @@ def test_debug_shows_the_traceback(monkeypatch):
     from exgrpo_trl.cli import main
 
     with pytest.raises(ValueError, match=r"replay_ratio must be in \[0, 1\]"):
-        main(["train", "--config", str(TINY), "--replay_ratio", "2", "--debug"])
+        main(["train", "--config", str(TINY_RECIPE), "--replay_ratio", "2", "--debug"])
     monkeypatch.setenv("EXGRPO_DEBUG", "1")
     with pytest.raises(ValueError, match=r"replay_ratio must be in \[0, 1\]"):
-        main(["train", "--config", str(TINY), "--replay_ratio", "2"])
+        main(["train", "--config", str(TINY_RECIPE), "--replay_ratio", "2"])
 
 
 def test_where_it_went(tmp_path):
