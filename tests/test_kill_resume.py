@@ -1,14 +1,15 @@
 """Real `exgrpo train` processes killed with SIGKILL at seeded random moments, rerun until they finish (issue 26).
 
-One run of 36 steps over 2.25 epochs (64 questions, 4 a step: 16 steps an epoch), a checkpoint every 2 steps (the
+One run of 48 steps over 3 epochs (64 questions, 4 a step: 16 steps an epoch), a checkpoint every 2 steps (the
 generation batch: 2 optimizer steps), `save_total_limit` 2, is killed again and again, each time by one of:
 
 - ``outside``: SIGKILL from this process once the run has saved a new complete checkpoint, after a random delay (so
-  it lands in training, in a save or in a rotation, wherever the moment falls);
+  it lands in training, in a save or in a rotation, wherever the moment falls), or at the latest once two more
+  checkpoints are complete (so that on a fast machine the run does not reach its end before every kind of kill);
 - ``outside-save``: SIGKILL as soon as a new checkpoint folder appears (inside a save);
 - ``exgrpo_state``: from inside, while the ExGRPO state is half-written into its temporary folder;
 - ``rotation``: from inside, halfway through rotation's deletion of an old checkpoint (which is left half-deleted,
-  with the freshest folder time);
+  with the freshest folder time), in the second epoch or later;
 - ``final``: from inside, in the end-of-run save of the model, after the last checkpoint.
 
 Each time the same command is run again, until it exits 0. The final weights and buffer must equal an
@@ -34,7 +35,8 @@ from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME
 from .conftest import ROOT, toy_recipe_args
 from .test_resume_after_crash import CRASH_AT, ENV
 
-MAX_STEPS = 36
+MAX_STEPS = 48
+SECOND_EPOCH = 20  # the rotation kill lands at this step or later: 16 steps an epoch
 
 
 def _args(toy_dir: Path, out: Path) -> list[str]:
@@ -64,7 +66,8 @@ def _command(point: str | None, step: int, args: list[str], script: Path) -> lis
 
 def _kill_from_outside(args: list[str], out: Path, rng: random.Random, at_folder: bool) -> tuple[int, str]:
     """Run until it makes progress (a new complete checkpoint, or with `at_folder` a new checkpoint folder), then
-    SIGKILL it (after a random delay unless `at_folder`). Returns (exit code, what the kill landed on)."""
+    SIGKILL it (after a random delay unless `at_folder`, cut short once two more checkpoints are complete). Returns
+    (exit code, what the kill landed on)."""
     start = _newest(out)
     proc = subprocess.Popen(_command(None, 0, args, Path()), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)  # fmt: skip
@@ -79,7 +82,9 @@ def _kill_from_outside(args: list[str], out: Path, rng: random.Random, at_folder
             elif _newest(out) > start:
                 break
             time.sleep(0.002)
-        time.sleep(delay)
+        first, until = _newest(out), time.monotonic() + delay
+        while proc.poll() is None and time.monotonic() < until and _newest(out) < first + 4:
+            time.sleep(0.002)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.wait(timeout=60)
@@ -112,7 +117,11 @@ def test_killed_at_random_moments_ends_bitwise(small_toy_dir, tmp_path):
         if mode in ("outside", "outside-save"):
             exit_code, where = _kill_from_outside(args, out, rng, at_folder=mode == "outside-save")
         else:
-            step = MAX_STEPS if mode == "final" else min(MAX_STEPS - 2, max(6, progress + 2 * rng.randint(2, 4)))
+            step = min(MAX_STEPS - 2, max(6, progress + 2 * rng.randint(1, 3)))
+            if mode == "rotation":
+                step = max(step, SECOND_EPOCH)
+            elif mode == "final":
+                step = MAX_STEPS
             crashed = subprocess.run(_command(mode, step, args, script), cwd=ROOT, env=ENV, capture_output=True,
                                      text=True, timeout=600)  # fmt: skip
             exit_code, where = crashed.returncode, f"checkpoint-{step}"
@@ -137,7 +146,7 @@ def test_killed_at_random_moments_ends_bitwise(small_toy_dir, tmp_path):
               f"incomplete {incomplete or '-'}, temporary state folders {leftovers or '-'}")  # fmt: skip
     killed_at = [entry for entry in log if entry[4] == -signal.SIGKILL]
     assert len(killed_at) >= 6
-    assert any(after >= 16 for _, _, _, after, *_ in killed_at)  # killed in the second epoch or later
+    assert any(after >= 16 and mode != "final" for mode, _, _, after, *_ in killed_at)  # killed in epoch 2 or later
     assert any(entry[0] == "rotation" and entry[5] for entry in killed_at)  # a half-deleted checkpoint was left
     assert any(entry[6] for entry in killed_at)  # and a temporary state folder
 
@@ -145,7 +154,7 @@ def test_killed_at_random_moments_ends_bitwise(small_toy_dir, tmp_path):
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["global_step"] == MAX_STEPS
     assert sorted(p.name for p in out.glob("checkpoint-*")) == sorted(p.name for p in reference.glob("checkpoint-*"))
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-34", "checkpoint-36"]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{MAX_STEPS - 2}", f"checkpoint-{MAX_STEPS}"]
     assert not list(out.rglob(f".{STATE_DIRNAME}.tmp-*"))
     final_weights, reference_weights = (
         load_file(str(out / "model.safetensors")),
@@ -153,7 +162,7 @@ def test_killed_at_random_moments_ends_bitwise(small_toy_dir, tmp_path):
     )
     assert final_weights.keys() == reference_weights.keys()
     assert all(final_weights[k].tobytes() == reference_weights[k].tobytes() for k in final_weights)
-    for name in ("checkpoint-34", "checkpoint-36"):
+    for name in (f"checkpoint-{MAX_STEPS - 2}", f"checkpoint-{MAX_STEPS}"):
         assert _arrays_and_meta(out / name) == _arrays_and_meta(reference / name), name
 
     # A rerun of the finished command trains nothing and says so
@@ -162,4 +171,4 @@ def test_killed_at_random_moments_ends_bitwise(small_toy_dir, tmp_path):
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert f"is already complete (step {MAX_STEPS} of max_steps {MAX_STEPS})" in again.stdout
     assert json.loads((out / "trainer_state.json").read_text()) == state
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-34", "checkpoint-36"]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{MAX_STEPS - 2}", f"checkpoint-{MAX_STEPS}"]
