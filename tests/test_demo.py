@@ -151,3 +151,26 @@ def test_two_step_demo_end_to_end(tmp_path, capsys):
 
     image = matplotlib.image.imread(png)
     assert image.ndim == 3 and image.shape[0] > 500 and image.shape[1] > 800
+
+
+def test_demo_prints_the_study_sweep(tmp_path):
+    """The demo's closing lines: the study's sweep.json as written by `exgrpo study`, one line a step size."""
+    from .test_study_sweep import _record
+
+    x = [0, 1000, 2000]
+    logs = dict(steps={"fresh_questions": [64, 32], "replayed": [0, 32], "buffer_questions": [10, 40]},
+                replay_counts={"histogram": {"1": 32}})  # fmt: skip
+    runs = [  # one sweep point at lr 2.5e-5 over 64 questions an update (3.9e-7): GRPO 0.40 / 0.42, ExGRPO 0.43 / 0.41
+        _record(f"{study.SWEEP_FAMILY}-x", "grpo", 0, [0, 1, 2], x, [0.2, 0.3, 0.40], lr=2.5e-5),
+        _record(f"{study.SWEEP_FAMILY}-x", "grpo", 1, [0, 1, 2], x, [0.2, 0.3, 0.42], lr=2.5e-5),
+        _record(f"{study.SWEEP_FAMILY}-x", "exgrpo", 0, [0, 1, 2], x, [0.2, 0.3, 0.43], lr=2.5e-5, **logs),
+        _record(f"{study.SWEEP_FAMILY}-x", "exgrpo", 1, [0, 1, 2], x, [0.2, 0.3, 0.41], lr=2.5e-5, **logs),
+    ]
+    assert demo.sweep_lines(tmp_path) == []  # no sweep.json: nothing printed
+    study.sweep_report(runs, tmp_path)
+    lines = demo.sweep_lines(tmp_path)
+    # paired differences +0.03 (seed 0) and -0.01 (seed 1): median +0.01, band [-0.01, +0.03]
+    name = f"{study.SWEEP_FAMILY}-x"  # padded to 26 columns
+    assert lines[2] == f"  3.9e-07  {name}{' ' * (26 - len(name))} ExGRPO - GRPO final +0.010 [-0.010, +0.030] over 2 " \
+        "paired seeds"  # fmt: skip
+    assert len(lines) == 3  # a title, one point, no estimate noise (no resampled evaluations)

@@ -134,6 +134,29 @@ def _study_context(results: Path, task: str) -> dict | None:
     return study.summarize(runs)[task]
 
 
+def sweep_lines(results: Path) -> list[str]:
+    """The study's step-size sweep (`sweep.json`, written by `exgrpo study`), one line a step size: ExGRPO minus
+    GRPO in final held-out pass@1, paired by seed; empty when the study has no sweep."""
+    path = results / "sweep.json"
+    if not path.is_file():
+        return []
+    payload = json.loads(path.read_text())
+    points = sorted(payload["points"] + payload["earlier_settings"], key=lambda p: -p["step_size"])
+    if not points:
+        return []
+    lines = ["", f"The study across step sizes (learning rate / questions per update; {path}):"]
+    for p in points:
+        d = p["final_difference"]
+        lines.append(
+            f"  {p['step_size']:.1e}  {p['task']:<26} ExGRPO - GRPO final {d['median']:+.3f} "
+            f"[{d['min']:+.3f}, {d['max']:+.3f}] over {d['seeds']} paired seed{'s' if d['seeds'] != 1 else ''}"
+        )
+    noise = payload.get("estimate_noise")
+    if noise:
+        lines.append(f"  (one model's held-out estimate varies by {noise['std']:.4f} between sampling seeds)")
+    return lines
+
+
 def report_text(task: study.Task, records: dict[str, dict], c: dict, context: dict | None, seed: int) -> str:
     grpo, ex = records["grpo"], records["exgrpo"]
     cols = ("warm start", "GRPO", "ExGRPO")
@@ -321,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     comparison = compare(task, records)
     context = None if args.quick or args.steps else _study_context(args.study_results, task.name)
     text = report_text(task, records, comparison, context, args.seed)
+    if not (args.quick or args.steps):
+        text = "\n".join([text, *sweep_lines(args.study_results)])
     results = {
         "task": task.name,
         "seed": args.seed,
