@@ -171,6 +171,6 @@ def test_demo_prints_the_study_sweep(tmp_path):
     lines = demo.sweep_lines(tmp_path)
     # paired differences +0.03 (seed 0) and -0.01 (seed 1): median +0.01, band [-0.01, +0.03]
     name = f"{study.SWEEP_FAMILY}-x"  # padded to 26 columns
-    assert lines[2] == f"  3.9e-07  {name}{' ' * (26 - len(name))} ExGRPO - GRPO final +0.010 [-0.010, +0.030] over 2 " \
-        "paired seeds"  # fmt: skip
+    expected = "ExGRPO - GRPO final +0.010 [-0.010, +0.030] over 2 paired seeds"
+    assert lines[2] == f"  3.9e-07  {name}{' ' * (26 - len(name))} {expected}"
     assert len(lines) == 3  # a title, one point, no estimate noise (no resampled evaluations)
