@@ -250,6 +250,7 @@ def regime_markdown(stats: dict[str, dict]) -> str:
 def sweep_figure(points: list[dict], old: list[dict], path: Path, noise: float | None = None) -> None:
     """ExGRPO minus GRPO against lr / questions per update (log scale): final pass@1 and AUC, median and band."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -270,15 +271,17 @@ def sweep_figure(points: list[dict], old: list[dict], path: Path, noise: float |
             hi = [p[key]["max"] - p[key]["median"] for p in shown]
             ax.errorbar(x, med, yerr=[lo, hi], fmt=style, capsize=4, lw=1.8, ms=6, label=label)
             if group is old:
-                for p in shown:
-                    ax.annotate(p["task"], (p["step_size"], p[key]["median"]), fontsize=6, xytext=(4, 4),
-                                textcoords="offset points")  # fmt: skip
+                for i, p in enumerate(sorted(shown, key=lambda p: (p["step_size"], -p[key]["median"]))):
+                    # settings at one step size alternate above and below their point, so labels do not overlap
+                    ax.annotate(p["task"], (p["step_size"], p[key]["median"]), fontsize=6,
+                                xytext=(4, 4 if i % 2 == 0 else -9), textcoords="offset points")  # fmt: skip
         ax.axhline(0.0, color="black", lw=0.8)
         if noise and key == "final_difference":
             # two independent estimates differ by sqrt(2) x the noise of one
             ax.axhspan(-2 * math.sqrt(2) * noise, 2 * math.sqrt(2) * noise, color="grey", alpha=0.15, lw=0,
                        label="estimate noise (2 sd of a difference)")  # fmt: skip
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # decades only: minor labels overlap
         ax.set_xlabel("learning rate / questions per update")
         ax.set_ylabel("ExGRPO - GRPO")
         ax.set_title(title, fontsize=10)
