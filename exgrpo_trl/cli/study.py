@@ -680,8 +680,12 @@ def figure(runs: list[dict], path: Path, arms: list[str]) -> None:
     import matplotlib.pyplot as plt
 
     tasks = sorted({r["task"] for r in runs}, key=lambda t: list(TASKS).index(t) if t in TASKS else 99)
-    fig, axes = plt.subplots(1, max(1, len(tasks)), figsize=(5.2 * max(1, len(tasks)), 3.8), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
+    cols = min(4, max(1, len(tasks)))  # four settings a row
+    rows = max(1, math.ceil(len(tasks) / cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.8 * rows), squeeze=False)
+    for ax in axes.flat[len(tasks) :]:
+        ax.set_visible(False)
+    for ax, task in zip(axes.flat, tasks):
         for arm in arms:
             records = [r for r in runs if r["task"] == task and r["arm"] == arm]
             if not records:
