@@ -108,7 +108,8 @@ def test_docs_build_strictly(tmp_path):
     assert (site / "exgrpo_trainer" / "index.html").is_file()
     # the study's figure, a repository file outside docs/, is published with the site and shown
     assert (site / "_repo" / "benchmarks" / "results" / "study" / "study.png").is_file()
-    assert 'src="../_repo/benchmarks/results/study/study.png"' in (site / "study" / "index.html").read_text()
+    for name in ("study.png", "sweep.png"):
+        assert f'src="../_repo/benchmarks/results/study/{name}"' in (site / "study" / "index.html").read_text()
 
 
 def test_strict_build_fails_on_broken_links_anchors_and_orphan_pages(tmp_path):
@@ -117,7 +118,8 @@ def test_strict_build_fails_on_broken_links_anchors_and_orphan_pages(tmp_path):
     shutil.copy(ROOT / "mkdocs.yml", tmp_path)
     figure = tmp_path / "benchmarks" / "results" / "study"
     figure.mkdir(parents=True)
-    shutil.copy(ROOT / "benchmarks" / "results" / "study" / "study.png", figure)
+    for name in ("study.png", "sweep.png"):
+        shutil.copy(ROOT / "benchmarks" / "results" / "study" / name, figure)
     with open(tmp_path / "docs" / "cpu.md", "a") as f:
         f.write("\n[a](algorithm.md#no-such-heading) [b](../no/such/file.yaml) [c](gone.md)\n")
     (tmp_path / "docs" / "orphan.md").write_text("# Not in the navigation\n")
@@ -151,7 +153,7 @@ def test_nothing_cites_a_file_outside_the_repository():
 
 def test_readme_is_a_front_page():
     """It was a 6,600-word research log; it is what ExGRPO is, install, a GPU quick start, the CPU commands, the
-    headline result with its figure, and links to the pages."""
+    headline result (the study's sweep across step sizes) with its figure, and links to the pages."""
     text = README.read_text()
     assert len(text.split()) < 1000, len(text.split())
     assert headings(README) == [
@@ -162,7 +164,7 @@ def test_readme_is_a_front_page():
         "## The result at CPU scale",
         "## Documentation",
     ]
-    assert "](benchmarks/results/study/study.png)" in text
+    assert "](benchmarks/results/study/sweep.png)" in text
     linked = set(re.findall(r"\]\((docs/[^)#]+\.md)", text))
     assert linked == {f"docs/{p.name}" for p in DOCS.glob("*.md") if p.name != "index.md"}
     nav = (ROOT / "mkdocs.yml").read_text()

@@ -125,7 +125,41 @@ def test_study_tables_match_the_committed_results():
     # the answer paragraph: GRPO and ExGRPO on each task, 5 seeds each
     answer = STUDY_PAGE[STUDY_PAGE.index("**The answer, measured") :]
     answer = answer[: answer.index("\n\n")].replace("\n", " ")
-    for task in results:
+    for task in ("addition", "countdown-medium", "countdown-weak"):
         for arm in ("grpo", "exgrpo"):
             assert len(results[task]["arms"][arm]["seeds"]) == 5
             assert band(results[task]["arms"][arm]["final"]) in answer, (task, arm)
+
+
+def _table_rows(report: str, heading: str) -> list[str]:
+    """The rows (not the header) of the first table after `heading` in results.md."""
+    section = report[report.index(heading) :]
+    table = section[section.index("\n| ") + 1 :].split("\n\n")[0]
+    return [line for line in table.splitlines()[2:] if line.startswith("| ")]
+
+
+def test_sweep_tables_are_the_committed_results():
+    """The study page's sweep, regime and paper-point tables, and the README's sweep table, are results.md's
+    (written by `exgrpo study` from the saved runs), row for row; the sweep table has every point of sweep.json."""
+    from exgrpo_trl.cli.study import PAPER_POINT
+
+    report = (STUDY / "results.md").read_text()
+    sweep = json.loads((STUDY / "sweep.json").read_text())
+    sweep_rows = _table_rows(report, "### Step-size sweep")
+    assert len(sweep_rows) == len(sweep["points"]) + len(sweep["earlier_settings"]) >= 4
+    for row in sweep_rows:
+        assert row in STUDY_PAGE, row
+    for heading in ("### Regimes", f"### {PAPER_POINT}:"):
+        rows = _table_rows(report, heading)
+        assert rows
+        for row in rows:
+            assert row in STUDY_PAGE, (heading, row)
+    # the README's short sweep table: the same rows, six of the columns (scripts/study_tables.py copies them all)
+    readme = (ROOT / "README.md").read_text()
+    for row in sweep_rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert "| " + " | ".join(cells[k] for k in (0, 1, 3, 6, 7, 8)) + " |" in readme, row
+    check = subprocess.run([sys.executable, "scripts/study_tables.py", "--check"], cwd=ROOT, capture_output=True,
+                           text=True)  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert f'PAPER_POINT = "{PAPER_POINT}"' in (ROOT / "scripts" / "study_tables.py").read_text()

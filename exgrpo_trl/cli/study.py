@@ -742,7 +742,8 @@ def sweep_report(runs: list[dict], results: Path) -> str:
     points = regimes.sweep(runs, SWEEP_FAMILY)
     old = [p for name in TASKS if not name.startswith(SWEEP_FAMILY) for p in regimes.sweep(runs, name)]
     by_task: dict[str, list[dict]] = {}
-    for record in runs:
+    order = list(TASKS)  # the earlier settings, then the sweep from its largest step to its smallest
+    for record in sorted(runs, key=lambda r: order.index(r["task"]) if r["task"] in order else len(order)):
         by_task.setdefault(record["task"], []).append(record)
     stats = {name: regimes.regime_stats(records) for name, records in by_task.items()}
     noise = regimes.estimate_noise([r for r in runs if r["task"].startswith(SWEEP_FAMILY)])
