@@ -154,7 +154,10 @@ def test_killed_at_random_moments_ends_bitwise(small_toy_dir, tmp_path):
     state = json.loads((out / "trainer_state.json").read_text())
     assert state["global_step"] == MAX_STEPS
     assert sorted(p.name for p in out.glob("checkpoint-*")) == sorted(p.name for p in reference.glob("checkpoint-*"))
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{MAX_STEPS - 2}", f"checkpoint-{MAX_STEPS}"]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [
+        f"checkpoint-{MAX_STEPS - 2}",
+        f"checkpoint-{MAX_STEPS}",
+    ]
     assert not list(out.rglob(f".{STATE_DIRNAME}.tmp-*"))
     final_weights, reference_weights = (
         load_file(str(out / "model.safetensors")),
@@ -171,4 +174,7 @@ def test_killed_at_random_moments_ends_bitwise(small_toy_dir, tmp_path):
     assert again.returncode == 0, (again.stdout + again.stderr)[-3000:]
     assert f"is already complete (step {MAX_STEPS} of max_steps {MAX_STEPS})" in again.stdout
     assert json.loads((out / "trainer_state.json").read_text()) == state
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == [f"checkpoint-{MAX_STEPS - 2}", f"checkpoint-{MAX_STEPS}"]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == [
+        f"checkpoint-{MAX_STEPS - 2}",
+        f"checkpoint-{MAX_STEPS}",
+    ]
