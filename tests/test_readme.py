@@ -149,6 +149,7 @@ def test_sweep_tables_are_the_committed_results():
     assert len(sweep_rows) == len(sweep["points"]) + len(sweep["earlier_settings"]) >= 4
     for row in sweep_rows:
         assert row in STUDY_PAGE, row
+    assert f"4 sampling seeds varies by {sweep['estimate_noise']['std']:.4f}" in " ".join(STUDY_PAGE.split())
     for heading in ("### Regimes", f"### {PAPER_POINT}:"):
         rows = _table_rows(report, heading)
         assert rows
