@@ -170,7 +170,7 @@ def _countdown(start: str, warm_start_steps: int, description: str, **exgrpo) ->
 TASKS: dict[str, Task] = {
     "addition": Task(
         name="addition",
-        description="1-4 digit addition, one correct answer string per question (the demo's setting)",
+        description="1-4 digit addition, one correct answer string per question",
         load=_addition_load,
         splits=_addition_splits,
         reward=_addition_reward,
