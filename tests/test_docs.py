@@ -418,6 +418,12 @@ def check_command(command: str, capsys) -> None:
     elif program == "python" and words[1] == "benchmarks/study.py":
         assert (ROOT / words[1]).is_file()
         study.build_parser().parse_args(words[2:])
+    elif program == "python" and words[1] == "scripts/study_tables.py":
+        # the command rewrites the pages' tables from results.md; with --check it only says whether they are current
+        run = subprocess.run(
+            [sys.executable, words[1], *words[2:], "--check"], cwd=ROOT, capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
     elif program == "accelerate":
         assert words[1] == "launch"
         at = words.index("-m")
