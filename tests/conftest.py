@@ -78,6 +78,10 @@ def config_kwargs(tmp_path, **overrides):
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RECIPE = ROOT / "recipes" / "tiny_cpu.yaml"
+# The top folders of this machine's absolute paths (the workspace, temporary files, home folders), spelled without
+# slashes so that the checks for them do not name a machine path themselves; no committed file may hold "/NAME/".
+WORKSPACE = "work"
+MACHINE_DIRS = ("tmp", WORKSPACE, "root", "home")
 
 
 def toy_recipe_args(toy_dir, out) -> list[str]:

@@ -19,6 +19,7 @@ import tomllib
 from markdown_it import MarkdownIt
 
 from .coin_model import build_coin_model_dir, write_math_questions
+from .conftest import WORKSPACE
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -131,7 +132,7 @@ def test_strict_build_fails_on_broken_links_anchors_and_orphan_pages(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------- the pages
-OUTSIDE = ("SPEC", "CPU_NOTES", "TRL_NOTES", "STYLE.md", "GPU_CHECKLIST", "shared/", "/work/")
+OUTSIDE = ("SPEC", "CPU_NOTES", "TRL_NOTES", "STYLE.md", "GPU_CHECKLIST", "shared/", f"/{WORKSPACE}/")
 
 
 def test_nothing_cites_a_file_outside_the_repository():

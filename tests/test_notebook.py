@@ -20,6 +20,7 @@ import pytest
 from huggingface_hub import ModelCard
 
 from . import hub_stand_in
+from .conftest import MACHINE_DIRS
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "exgrpo_lora_single_gpu.ipynb"
@@ -157,7 +158,7 @@ def test_notebook_is_committed_with_one_cpu_runs_outputs():
     assert all(out.output_type != "error" for c in code_cells for out in c.outputs)
     assert all(c.outputs for c in code_cells if "tags" in c.metadata and c.metadata["tags"][0] != "gpu-settings")
     raw = NOTEBOOK.read_text()
-    for path in ("/tmp/", "/work/", "/root/", "/home/"):
+    for path in (f"/{name}/" for name in MACHINE_DIRS):
         assert path not in raw, path
     (match,) = BUFFER_PRINTED.findall(_text(_cell(nb, "plot")))
     assert int(match[0]) > 0
