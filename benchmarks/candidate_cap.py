@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     add_task_arguments(p)
     args = p.parse_args(argv)
 
-    tokenizer, reward, dataset = build_task(args.seed)
+    tokenizer, reward, dataset = build_task(args)
     trainer = RecordingExGRPOTrainer(
         model=build_model(tokenizer, args),
         reward_funcs=reward,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 import threading
@@ -86,22 +87,42 @@ class TimedExGRPOTrainer(ExGRPOTrainer):
 
 
 def build_model(tokenizer, args) -> Qwen2ForCausalLM:
-    return build_tiny_model(
+    """The benchmark's Qwen2 model; with a grown vocabulary, `stop_token_ids(tokenizer, args)` end generation."""
+    model = build_tiny_model(
         tokenizer,
         hidden_size=args.hidden_size,
         num_layers=args.layers,
         num_heads=args.heads,
+        num_key_value_heads=getattr(args, "kv_heads", None),
         intermediate_size=getattr(args, "intermediate_size", None) or args.hidden_size * 4,
-        max_position_embeddings=4096,
+        max_position_embeddings=max(4096, args.max_completion_length + 64),
         seed=args.seed,
     )
+    model.generation_config.eos_token_id = stop_token_ids(tokenizer, args)
+    return model
 
 
-def make_reward(eos: int, digit_ids: set[int]):
-    def even_digits_reward(completion_ids, **kwargs):
-        return [float(ids[-1] == eos and sum(t in digit_ids for t in ids) % 2 == 0) for ids in completion_ids]
+def stop_token_ids(tokenizer, args) -> list[int]:
+    """EOS, and with a grown vocabulary (`--vocab-size`) as many filler ids as it takes for an untrained model, which
+    samples nearly uniformly over the vocabulary, to stop about half-way between the minimum and the maximum
+    completion length (real generation configs list several stop ids too; TRL ends a completion at any of them)."""
+    base = len(build_char_tokenizer())
+    fillers = len(tokenizer) - base
+    if fillers <= 0:
+        return [tokenizer.eos_token_id]
+    span = max(1, args.max_completion_length - args.min_completion_length)
+    count = min(fillers, math.ceil(2 * len(tokenizer) / span))
+    return [tokenizer.eos_token_id, *range(len(tokenizer) - count, len(tokenizer))]
 
-    return even_digits_reward
+
+def make_reward(stop_ids: list[int], marked_ids: set[int]):
+    """Solved: the completion ends with a stop token and holds an even number of marked tokens (about half)."""
+    stops = set(stop_ids)
+
+    def even_marked_reward(completion_ids, **kwargs):
+        return [float(ids[-1] in stops and sum(t in marked_ids for t in ids) % 2 == 0) for ids in completion_ids]
+
+    return even_marked_reward
 
 
 @torch.no_grad()
@@ -132,9 +153,10 @@ def prefill(trainer: ExGRPOTrainer, dataset: Dataset, reward, args) -> None:
             -1,
         )
         logps = logps[:, enc["input_ids"].size(1) - 1 : -1].gather(-1, completions.unsqueeze(-1)).squeeze(-1)
-        ids_list = []
+        stops, ids_list = set(stop_token_ids(tokenizer, args)), []
         for row in completions.tolist():
-            ids_list.append(row[: row.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in row else row)
+            end = next((i for i, t in enumerate(row) if t in stops), len(row) - 1)
+            ids_list.append(row[: end + 1])
         solved = reward(ids_list)
         for q, row in enumerate(rows):
             group = range(q * k, (q + 1) * k)
@@ -245,6 +267,13 @@ def add_task_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--intermediate-size", type=int, default=None, help="MLP width (default: 4 x hidden size)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--kv-heads", type=int, default=None, help="key-value heads (default: --heads; Qwen2.5-0.5B: 2)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="grow the character vocabulary to this many tokens (Qwen2.5: 151936): the logits' real width",
+    )
     p.add_argument("--questions-per-step", type=int, default=16)
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--replay-ratio", type=float, default=0.5)
@@ -260,14 +289,18 @@ def add_task_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
-def build_task(seed: int):
-    """The char tokenizer, the reward and a shuffled dataset of distinct "a+b=" prompts."""
-    tokenizer = build_char_tokenizer()
-    digit_ids = {tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)}
-    rng = np.random.default_rng(seed)
+def build_task(args):
+    """The char tokenizer (grown to `args.vocab_size`), the reward and a shuffled dataset of distinct "a+b=" prompts.
+
+    Marked tokens: the digits, and every even filler id of a grown vocabulary (an untrained model rarely samples a
+    digit among 150k tokens)."""
+    tokenizer = build_char_tokenizer(vocab_size=getattr(args, "vocab_size", None))
+    base = len(build_char_tokenizer())
+    marked = {tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)} | set(range(base, len(tokenizer), 2))
+    rng = np.random.default_rng(args.seed)
     prompts = sorted({f"{a}+{b}=" for a, b in rng.integers(0, 10**4, size=(4000, 2))})
-    dataset = Dataset.from_dict({"prompt": prompts}).shuffle(seed=seed)
-    return tokenizer, make_reward(tokenizer.eos_token_id, digit_ids), dataset
+    dataset = Dataset.from_dict({"prompt": prompts}).shuffle(seed=args.seed)
+    return tokenizer, make_reward(stop_token_ids(tokenizer, args), marked), dataset
 
 
 def _cap(text: str) -> int | None:
@@ -296,7 +329,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="also write the figures to this JSON file")
     args = p.parse_args(argv)
 
-    tokenizer, reward, dataset = build_task(args.seed)
+    tokenizer, reward, dataset = build_task(args)
     common = dict(
         output_dir=tempfile.mkdtemp(prefix="exgrpo-overhead-"),
         per_device_train_batch_size=args.questions_per_step * args.num_generations,

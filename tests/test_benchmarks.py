@@ -160,6 +160,49 @@ def test_buffer_memory_tiny_run(capsys):
     assert "300 trajectories x 20 tokens = 6,000 tokens" in out
 
 
+def test_stop_tokens_end_an_untrained_model_between_the_lengths(overhead):
+    # vocab 512, completions 8-24: span 16; an untrained model samples about uniformly, so a stop probability of
+    # 2 / 16 per token ends a completion half-way on average: ceil(2 * 512 / 16) = 64 fillers, the last ids 448..511.
+    args = overhead.argparse.Namespace(vocab_size=512, min_completion_length=8, max_completion_length=24, seed=0)
+    tokenizer, reward, _ = overhead.build_task(args)
+    stops = overhead.stop_token_ids(tokenizer, args)
+    assert stops == [1, *range(448, 512)]
+    # marked: digits 4..13 and even fillers 16, 18, ...; solved = ends with a stop and an even count of marked ones
+    # [4, 16, 1]: 2 marked, ends with EOS; [4, 17, 1]: 1 marked; [4, 16, 5]: no stop; [5, 510]: the stop 510 is an
+    # even filler, 2 marked; [5, 511]: 1 marked
+    assert reward([[4, 16, 1], [4, 17, 1], [4, 16, 5], [5, 510], [5, 511]]) == [1.0, 0.0, 0.0, 1.0, 0.0]
+    # the character vocabulary alone keeps EOS as the only stop and the digits as the marked tokens
+    small = overhead.argparse.Namespace(vocab_size=None, min_completion_length=0, max_completion_length=8, seed=0)
+    tokenizer, reward, _ = overhead.build_task(small)
+    assert overhead.stop_token_ids(tokenizer, small) == [1] and reward([[4, 5, 1], [4, 1]]) == [1.0, 0.0]
+
+
+def test_real_vocab_tiny_run(tmp_path):
+    # "real_vocab.py" at a tiny size on the CPU: vocab 512, completions of 8-24 tokens, float32.
+    spec = importlib.util.spec_from_file_location("real_vocab", ROOT / "benchmarks" / "real_vocab.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "figures.json"
+    assert module.main(["--output-dir", str(tmp_path / "run"), "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    smoke, numerics = figures["smoke"], figures["numerics"]
+    # 4 questions x K=8 in micro-batches of 8: 4 optimizer steps a generation batch; 2 batches, then 1 after resume.
+    # The first batch has an empty buffer; each later one replays floor(0.5 x 4) = 2 questions.
+    assert smoke["optimizer_steps"] == 8 and (smoke["resumed_from_step"], smoke["resumed_to_step"]) == (8, 12)
+    assert smoke["replayed_groups_per_generation_batch"] == [0, 2] and smoke["replayed_groups_after_resume"] == [2]
+    assert smoke["checkpoint_has_buffer"] and smoke["buffer_restored_exactly"]
+    assert smoke["buffer_trajectories_after_resume"] > smoke["buffer_trajectories"] > 0
+    assert smoke["deepspeed_zero_stage"] is None
+    assert figures["memory"]["scoring_peak_gib"] is None  # peak memory is measured on CUDA only
+    # Learning rate 0 in float32: the re-scored log-probs equal the stored ones up to float16 storage, whose rounding
+    # is at most half the float16 spacing at the stored value (log-probs near -6.2 of a 512-token vocabulary: in
+    # [4, 8) the spacing is 2^-8, so at most 2^-9 = 0.00195); the forward itself adds only float32 rounding.
+    assert numerics["replayed_groups_per_generation_batch"] == [0, 2]
+    assert numerics["float16_half_spacing_max"] == 2**-9
+    assert numerics["abs_log_w_max"] <= 2**-9 + 1e-5 and numerics["excess_over_storage_max"] <= 1e-5
+    assert abs(numerics["logged_is_weight_mean"] - 1) < 2**-9
+
+
 def test_every_benchmark_script_has_a_smoke_run():
     # A benchmark no test runs can rot unseen (buffer_memory.py once did): each script must be named in this file
     # by a test that runs it at a tiny size.

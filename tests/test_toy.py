@@ -75,6 +75,18 @@ def test_tokenizer_save_and_load(tmp_path, tokenizer):
     assert loaded.padding_side == "left" and loaded.pad_token == "<pad>" and loaded.eos_token == "<eos>"
 
 
+def test_tokenizer_grown_to_a_real_vocabulary_size(tokenizer):
+    # 16 base tokens + fillers <f0> .. <f495> at ids 16 .. 511; encoding keeps the base ids and never yields a filler
+    big = build_char_tokenizer(vocab_size=512)
+    assert len(big) == 512 and big.convert_ids_to_tokens([15, 16, 511]) == ["=", "<f0>", "<f495>"]
+    assert big("37+48=85")["input_ids"] == tokenizer("37+48=85")["input_ids"]
+    assert big("<f0>")["input_ids"] == [3, 3, 4, 3]  # "<", "f", "0", ">": characters, not the filler
+    assert big.decode([11, 16, 1], skip_special_tokens=True) == "7<f0>"
+    assert len(build_char_tokenizer(vocab_size=16)) == 16
+    with pytest.raises(ValueError, match="vocab_size must be at least 16"):
+        build_char_tokenizer(vocab_size=15)
+
+
 # ---------------------------------------------------------------- reward
 def test_reward_hand_cases():
     completions = ["85", " 85", "85\n", "86", "", "850", "8 5", "085"]

@@ -70,19 +70,28 @@ _WARM_START_FORMAT = 2
 # Tokenizer
 # --------------------------------------------------------------------------------------------------------------
 def build_char_tokenizer(
-    save_dir: str | os.PathLike | None = None, *, alphabet: Iterable[str] = ALPHABET
+    save_dir: str | os.PathLike | None = None, *, alphabet: Iterable[str] = ALPHABET, vocab_size: int | None = None
 ) -> PreTrainedTokenizerFast:
     """A character-level tokenizer: one token per character of `alphabet` (``0-9 + =``), plus
     ``<pad> <eos> <bos> <unk>``.
 
     Ids: specials 0-3 in that order, then the alphabet in its order, so an alphabet that extends `ALPHABET` at the
     end keeps every addition id. No special token is added on encode; left padding.
+    `vocab_size` grows the vocabulary to that many tokens with fillers ``<f0>``, ``<f1>``, ... after the alphabet
+    (encoding never produces them; a model sampling them decodes to their names): the width of a real model's logits
+    for benchmarks that measure what the vocabulary costs.
     The `Fuse` decoder makes ``batch_decode`` join characters without spaces (exact-match rewards need it).
     """
     alphabet = tuple(alphabet)
     if len(set(alphabet)) != len(alphabet) or any(len(ch) != 1 for ch in alphabet):
         raise ValueError(f"alphabet must be distinct single characters, got {alphabet}")
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + alphabet)}
+    if vocab_size is not None:
+        if vocab_size < len(vocab):
+            raise ValueError(
+                f"vocab_size must be at least {len(vocab)} (the specials and the alphabet), got {vocab_size}"
+            )
+        vocab.update({f"<f{i}>": len(vocab) + i for i in range(vocab_size - len(vocab))})
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -124,6 +133,7 @@ def build_tiny_model(
     num_heads: int = 2,
     intermediate_size: int = 512,
     max_position_embeddings: int = 64,
+    num_key_value_heads: int | None = None,
     seed: int = 0,
 ) -> Qwen2ForCausalLM:
     """A randomly initialised Qwen2 causal LM, float32, tied embeddings, about 1.05M parameters by default.
@@ -143,7 +153,7 @@ def build_tiny_model(
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
+        num_key_value_heads=num_key_value_heads or num_heads,
         head_dim=hidden_size // num_heads,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
