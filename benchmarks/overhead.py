@@ -303,6 +303,31 @@ def build_task(args):
     return tokenizer, make_reward(stop_token_ids(tokenizer, args), marked), dataset
 
 
+def trainer_config(args, **overrides) -> dict:
+    """The configuration fields every trainer of these benchmarks shares (`overrides` replace them): the paper's
+    objective (dr_grpo, no std scaling), a step logged each step, nothing saved, no activation checkpointing."""
+    config = dict(
+        output_dir=tempfile.mkdtemp(prefix="exgrpo-benchmark-"),
+        per_device_train_batch_size=args.questions_per_step * args.num_generations,
+        num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length,
+        generation_kwargs={"min_new_tokens": args.min_completion_length} if args.min_completion_length else None,
+        learning_rate=1e-5,
+        loss_type="dr_grpo",
+        scale_rewards="none",
+        logging_steps=1,
+        report_to=[],
+        use_cpu=args.device == "cpu",
+        bf16=args.bf16,
+        gradient_checkpointing=False,
+        save_strategy="no",
+        seed=args.seed,
+        disable_tqdm=True,
+    )
+    config.update(overrides)
+    return config
+
+
 def _cap(text: str) -> int | None:
     return None if text.lower() == "none" else int(text)
 
@@ -330,24 +355,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     tokenizer, reward, dataset = build_task(args)
-    common = dict(
-        output_dir=tempfile.mkdtemp(prefix="exgrpo-overhead-"),
-        per_device_train_batch_size=args.questions_per_step * args.num_generations,
-        num_generations=args.num_generations,
-        max_completion_length=args.max_completion_length,
-        learning_rate=1e-5,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=args.device == "cpu",
-        bf16=args.bf16,
-        gradient_checkpointing=False,
-        save_strategy="no",
-        seed=args.seed,
-        loss_type="dr_grpo",
-        scale_rewards="none",
-        disable_tqdm=True,
-        generation_kwargs={"min_new_tokens": args.min_completion_length} if args.min_completion_length else None,
-    )
+    common = trainer_config(args)
     model_grpo, model_ex = build_model(tokenizer, args), build_model(tokenizer, args)
     cap = {"max_trajectory_candidates": args.max_trajectory_candidates}
     n_params = sum(p.numel() for p in model_grpo.parameters())

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # overhead's builders
-from overhead import add_task_arguments, build_model, build_task  # noqa: E402
+from overhead import add_task_arguments, build_model, build_task, trainer_config  # noqa: E402
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.scoring import pad_prompt_completion
@@ -87,30 +87,17 @@ def save_model(args, tokenizer, folder: Path) -> str:
 
 
 def make_trainer(args, model_dir, tokenizer, reward, dataset, output_dir, **overrides) -> ExGRPOTrainer:
-    k, rows = args.num_generations, args.micro_batch_rows
-    questions = args.questions_per_step
-    config = dict(
+    questions, k, rows = args.questions_per_step, args.num_generations, args.micro_batch_rows
+    config = trainer_config(
+        args,
         output_dir=str(output_dir),
         per_device_train_batch_size=rows,
         steps_per_generation=questions * k // rows,  # one generation batch = questions x K rows
-        num_generations=k,
-        max_completion_length=args.max_completion_length,
-        generation_kwargs={"min_new_tokens": args.min_completion_length} if args.min_completion_length else None,
         learning_rate=1e-6,
         lr_scheduler_type="constant",
-        loss_type="dr_grpo",
-        scale_rewards="none",
         beta=0.0,
         replay_ratio=args.replay_ratio,
         replay_start_pass_rate=0.0,  # replay from the first step (the weak-base setting)
-        logging_steps=1,
-        report_to=[],
-        use_cpu=args.device == "cpu",
-        bf16=args.bf16,
-        gradient_checkpointing=False,
-        save_strategy="no",
-        seed=args.seed,
-        disable_tqdm=True,
     )
     config.update(overrides)
     return ExGRPOTrainer(
