@@ -307,7 +307,7 @@ def trainer_config(args, **overrides) -> dict:
     """The configuration fields every trainer of these benchmarks shares (`overrides` replace them): the paper's
     objective (dr_grpo, no std scaling), a step logged each step, nothing saved, no activation checkpointing."""
     config = dict(
-        output_dir=tempfile.mkdtemp(prefix="exgrpo-benchmark-"),
+        output_dir=overrides.pop("output_dir", None) or tempfile.mkdtemp(prefix="exgrpo-benchmark-"),
         per_device_train_batch_size=args.questions_per_step * args.num_generations,
         num_generations=args.num_generations,
         max_completion_length=args.max_completion_length,
