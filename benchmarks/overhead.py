@@ -37,8 +37,9 @@ from trl import GRPOConfig, GRPOTrainer
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import Trajectory, question_key
-from exgrpo_trl.tasks.toy import build_char_tokenizer, build_tiny_model
+from exgrpo_trl.tasks.toy import ALPHABET, SPECIAL_TOKENS, build_char_tokenizer, build_tiny_model
 
+CHAR_VOCAB = len(SPECIAL_TOKENS) + len(ALPHABET)  # the character tokenizer; a grown one adds fillers after it
 TIMED = {
     "plan (sample + broadcast)": "_exgrpo_make_plan",
     "entropy scoring": "_exgrpo_score_entropies",
@@ -106,8 +107,7 @@ def stop_token_ids(tokenizer, args) -> list[int]:
     """EOS, and with a grown vocabulary (`--vocab-size`) as many filler ids as it takes for an untrained model, which
     samples nearly uniformly over the vocabulary, to stop about half-way between the minimum and the maximum
     completion length (real generation configs list several stop ids too; TRL ends a completion at any of them)."""
-    base = len(build_char_tokenizer())
-    fillers = len(tokenizer) - base
+    fillers = len(tokenizer) - CHAR_VOCAB
     if fillers <= 0:
         return [tokenizer.eos_token_id]
     span = max(1, args.max_completion_length - args.min_completion_length)
@@ -295,8 +295,7 @@ def build_task(args):
     Marked tokens: the digits, and every even filler id of a grown vocabulary (an untrained model rarely samples a
     digit among 150k tokens)."""
     tokenizer = build_char_tokenizer(vocab_size=getattr(args, "vocab_size", None))
-    base = len(build_char_tokenizer())
-    marked = {tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)} | set(range(base, len(tokenizer), 2))
+    marked = {tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)} | set(range(CHAR_VOCAB, len(tokenizer), 2))
     rng = np.random.default_rng(args.seed)
     prompts = sorted({f"{a}+{b}=" for a, b in rng.integers(0, 10**4, size=(4000, 2))})
     dataset = Dataset.from_dict({"prompt": prompts}).shuffle(seed=args.seed)

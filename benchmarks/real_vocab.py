@@ -73,8 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def save_model(args, tokenizer, folder: Path) -> str:
-    """The model folder a user's recipe would name, in the training dtype (ZeRO-3 partitions it while loading)."""
+def save_model(args, tokenizer, folder: Path) -> int:
+    """The model folder a user's recipe would name, in the training dtype (ZeRO-3 partitions it while loading);
+    returns its number of parameters."""
     model = build_model(tokenizer, args)
     if args.bf16:
         model = model.to(torch.bfloat16)
@@ -215,8 +216,7 @@ def check_memory(args, model_dir, tokenizer, reward, dataset, out: Path) -> dict
     generator = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(16, vocab, (rows, args.memory_prompt_length), generator=generator).tolist()
     completions = torch.randint(16, vocab, (rows, args.memory_completion_length), generator=generator).tolist()
-    model = trainer.model
-    model.to(trainer.accelerator.device)
+    model = trainer.model  # already on the device
 
     def scoring():
         model.eval()
