@@ -3,6 +3,10 @@ and that a second call finds the saved runs and trains nothing. Plus the report'
 
 import json
 import math
+import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -47,6 +51,54 @@ def test_tiny_study_saves_reports_and_resumes(tmp_path, capsys):
     assert study.main(argv) == 0
     assert "0 runs to train, 2 found" in capsys.readouterr().out
     assert {arm: path.stat().st_mtime_ns for arm, path in runs.items()} == mtimes  # nothing retrained
+
+
+def test_killed_run_resumes_from_its_checkpoint_to_the_same_record(tmp_path):
+    # countdown-weak replays from the first update (replay_start_pass_rate 0); after a 150-step warm start part of
+    # the quick pool is solved, so the buffer fills and replay runs within 6 updates. Checkpoints land every update
+    # (lcm of eval_every 1 and steps_per_generation 1), the newest two kept.
+    cache = tmp_path / "cache"
+    workdir = cache / "study-trainer" / "countdown-weak-exgrpo-seed0"
+
+    def command(results):
+        return [sys.executable, "-m", "exgrpo_trl.cli", "study", "--quick", "--set", "steps=6",
+                "--set", "warm_start_steps=150", "--cache-dir", str(cache), "--results", str(tmp_path / results),
+                "--run-one", "countdown-weak", "exgrpo", "0"]  # fmt: skip
+
+    def saved(results):
+        return json.loads((tmp_path / results / "countdown-weak" / "exgrpo" / "seed0.json").read_text())
+
+    subprocess.run(command("straight"), check=True, capture_output=True)
+    straight = saved("straight")
+    assert sum(straight["steps"]["replayed"]) > 0 and straight["resumed_at"] == []
+    assert not workdir.exists()  # a finished run's checkpoints are deleted
+
+    # killed from outside as soon as update 3's checkpoint holds the study's state
+    proc = subprocess.Popen(command("killed"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (workdir / "checkpoint-3" / study.STUDY_STATE).exists():
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    proc.kill()
+    proc.wait()
+    assert not (tmp_path / "killed" / "countdown-weak" / "exgrpo" / "seed0.json").exists()
+    with_state = sorted(int(p.parent.name.split("-")[1]) for p in workdir.glob(f"checkpoint-*/{study.STUDY_STATE}"))
+    assert len(with_state) >= 2  # save_total_limit 2: the newest two complete checkpoints
+    # killed between the trainer's save and the study's: the newest checkpoint without its state is passed over
+    (workdir / f"checkpoint-{with_state[-1]}" / study.STUDY_STATE).unlink()
+
+    # a checkpoint of other settings is never resumed from: the folder is cleared and the run starts afresh
+    other = tmp_path / "other"
+    shutil.copytree(workdir, other)
+    assert study._resume_point(str(other), {"task": "another"}) == (None, None) and not other.exists()
+
+    subprocess.run(command("killed"), check=True, capture_output=True)
+    resumed = saved("killed")
+    assert resumed["resumed_at"] == [with_state[-2]]
+    for run in (straight, resumed):
+        del run["seconds"], run["resumed_at"]
+    assert resumed == straight  # curves, per-update logs, replay counts, probes, finals: all equal
+    assert not workdir.exists()
 
 
 def record(arm, seed, rollouts, curve, by_difficulty=None):

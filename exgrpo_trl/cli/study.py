@@ -6,7 +6,10 @@
 A run is one (task, arm, seed): it trains from the task's cached supervised warm start with TRL's `GRPOTrainer` or
 `ExGRPOTrainer` (public API and config switches only), evaluates held-out pass@1 every `eval_every` steps, and saves
 one small JSON (settings, curves, per-step logs, final figures) as ``RESULTS/<task>/<arm>/seed<k>.json``. A run whose
-JSON exists is skipped, so an interrupted study resumes where it stopped, here or on another machine. Runs train
+JSON exists is skipped, so an interrupted study resumes where it stopped, here or on another machine. A run of
+`ExGRPOTrainer` (every arm but `grpo`) also checkpoints every `checkpoint_every(task)` updates into the cache and a
+killed one resumes from its newest complete checkpoint, with the same result as a run never stopped; a `grpo` run
+(TRL's `GRPOTrainer`, whose sampler resumed in a later epoch draws the first epoch's order again) restarts. Runs train
 `--jobs` at a time (default 2), each in its own process with one torch thread. Then ``RESULTS/results.json``,
 ``results.md`` and ``study.png`` are written: held-out pass@1 against generated rollouts, median and min-max band
 over seeds, overall and per difficulty.
@@ -30,6 +33,7 @@ import functools
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -325,6 +329,44 @@ def _rows_by_key(dataset) -> dict[str, dict]:
     return {question_key(row["prompt"]): row for row in dataset}
 
 
+CHECKPOINT_PREFIX = "checkpoint-"
+STUDY_STATE = "study_state.json"  # the recorder's state beside a run's checkpoint, written after the trainer's save
+
+
+def checkpoint_every(task: Task) -> int:
+    """A run checkpoints at updates that end a generation batch and are evaluation steps (their curve point is in)."""
+    return math.lcm(task.eval_every, task.steps_per_generation)
+
+
+def _resume_point(output_dir: str, settings: dict) -> tuple[str | None, dict | None]:
+    """The newest checkpoint of `output_dir` that is complete and holds a study state for these `settings`, and that
+    state; the checkpoints newer than it (cut short) are deleted, and everything there when none qualifies (a run of
+    other settings left it)."""
+    from ..checkpoints import checkpoint_problems, checkpoint_step
+
+    root = Path(output_dir)
+    found = sorted(
+        (
+            (step, path)
+            for path in (root.iterdir() if root.is_dir() else [])
+            if (step := checkpoint_step(path.name)) is not None
+        ),
+        reverse=True,
+    )
+    for step, path in found:
+        try:
+            state = json.loads((path / STUDY_STATE).read_text())
+        except (OSError, ValueError):
+            state = None
+        if state is not None and state.get("settings") == settings and not checkpoint_problems(path):
+            for newer_step, newer in found:
+                if newer_step > step:
+                    shutil.rmtree(newer, ignore_errors=True)
+            return str(path), state
+    shutil.rmtree(root, ignore_errors=True)
+    return None, None
+
+
 def progress_path(cache_dir: str | Path, task: str, arm: str, seed: int) -> Path:
     """Where a run in progress writes ``STEP MAX_STEPS`` after each step, for the parent's progress bars."""
     return Path(cache_dir) / "study-logs" / f"{task}-{arm}-seed{seed}.progress"
@@ -351,7 +393,19 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
         from ..config import ExGRPOConfig
         from ..trainer import ExGRPOTrainer
 
-        config, trainer_cls = ExGRPOConfig(**kwargs, **{**task.exgrpo, **arm.exgrpo}), ExGRPOTrainer
+        # checkpoints are how a killed run resumes; they change nothing in training, so the record leaves them out
+        saves = dict(save_strategy="steps", save_steps=checkpoint_every(task), save_total_limit=2)
+        config, trainer_cls = ExGRPOConfig(**{**kwargs, **saves}, **{**task.exgrpo, **arm.exgrpo}), ExGRPOTrainer
+    settings = {
+        "task": {
+            f.name: getattr(task, f.name) for f in dataclasses.fields(task) if not callable(getattr(task, f.name))
+        },
+        "arm": dataclasses.asdict(arm),
+        "trainer": trainer_cls.__name__,
+        "config": {k: v for k, v in kwargs.items() if k not in ("output_dir", "report_to", "disable_tqdm")},
+    }
+    settings = json.loads(json.dumps(settings))  # as a saved state holds it
+    resume, saved = _resume_point(kwargs["output_dir"], settings) if arm.exgrpo is not None else (None, None)
     seen: Counter = Counter()  # training question -> rollouts scored (fresh and replayed rows alike)
     solved: Counter = Counter()  # training question -> successful rollouts among them
 
@@ -376,6 +430,14 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
     }  # fmt: skip
     curve: dict[str, Any] = {"step": [], "rollouts": [], "pass_at_1": [], "by_difficulty": {}}
     replay_counts: Counter = Counter()
+    resumed_at: list[int] = []  # the updates a killed run resumed from
+    if saved is not None:  # a killed run: everything recorded up to its checkpoint
+        steps_log.update(saved["steps"])
+        curve.update(saved["curve"])
+        for counter, name in ((seen, "seen"), (solved, "solved"), (replay_counts, "replay_counts")):
+            counter.update(saved[name])
+        start -= saved["seconds"]
+        resumed_at = [*saved["resumed_at"], int(Path(resume).name[len(CHECKPOINT_PREFIX) :])]
 
     def evaluate_now(step: int, rollouts: int) -> None:
         result = _evaluation(task, trainer.model, tokenizer, eval_set, seed)
@@ -405,17 +467,31 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
             steps_log["retired"].append(len(buffer.retired) if buffer is not None else None)
             if state.global_step % task.eval_every == 0 or state.global_step == state.max_steps:
                 evaluate_now(state.global_step, total)
-            progress.parent.mkdir(parents=True, exist_ok=True)
-            tmp = progress.with_suffix(f".tmp-{os.getpid()}")
-            tmp.write_text(f"{state.global_step} {state.max_steps}\n")
-            os.replace(tmp, progress)
+            _write_atomic(progress, f"{state.global_step} {state.max_steps}\n")
+
+        def on_save(self, args, state, control, **kw):  # after the trainer's own save: its checkpoint is complete
+            checkpoint = Path(args.output_dir) / f"{CHECKPOINT_PREFIX}{state.global_step}"
+            if checkpoint.is_dir():
+                recorded = dict(
+                    steps=steps_log,
+                    curve=curve,
+                    seen=seen,
+                    solved=solved,
+                    replay_counts=replay_counts,
+                    resumed_at=resumed_at,
+                )
+                seconds = round(time.perf_counter() - start, 1)
+                _write_atomic(
+                    checkpoint / STUDY_STATE, json.dumps({"settings": settings, "seconds": seconds, **recorded})
+                )
 
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(Recorder())
-    evaluate_now(0, 0)
-    trainer.train()
+    if resume is None:
+        evaluate_now(0, 0)
+    trainer.train(resume_from_checkpoint=resume)
 
     # End-of-run probes on training questions: the most replayed ones and the retired ones, warm start vs final.
     rows = _rows_by_key(train_set)
@@ -445,15 +521,9 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
         "task": task.name,
         "arm": arm_name,
         "seed": seed,
-        "settings": {
-            "task": {
-                f.name: getattr(task, f.name) for f in dataclasses.fields(task) if not callable(getattr(task, f.name))
-            },
-            "arm": dataclasses.asdict(arm),
-            "trainer": type(trainer).__name__,
-            "config": {k: v for k, v in kwargs.items() if k not in ("output_dir", "report_to", "disable_tqdm")},
-        },
+        "settings": settings,
         "seconds": round(time.perf_counter() - start, 1),
+        "resumed_at": resumed_at,
         "curve": curve,
         "steps": steps_log,
         "replay_counts": {
@@ -476,11 +546,16 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
             "pass_at_1_resampled": [curve["pass_at_1"][-1], *resampled],
         },
     }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_suffix(f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record, separators=(",", ":")) + "\n")
-    os.replace(tmp, out_path)
+    _write_atomic(out_path, json.dumps(record, separators=(",", ":")) + "\n")
+    shutil.rmtree(kwargs["output_dir"], ignore_errors=True)  # the run's checkpoints: the record is saved
     return record
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------------------------------ the study
@@ -810,7 +885,7 @@ def _tasks(quick: bool, overrides: dict[str, Any] | None = None) -> dict[str, Ta
     tasks = {}
     for name, task in TASKS.items():
         extra = {**(QUICK if quick else {}), **(QUICK_SWEEP if quick and name.startswith(SWEEP_FAMILY) else {})}
-        tasks[name] = dataclasses.replace(task, **extra, **(overrides or {}))
+        tasks[name] = dataclasses.replace(task, **{**extra, **(overrides or {})})  # --set wins over --quick
     return tasks
 
 
