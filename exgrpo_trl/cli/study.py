@@ -472,18 +472,10 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
         def on_save(self, args, state, control, **kw):  # after the trainer's own save: its checkpoint is complete
             checkpoint = Path(args.output_dir) / f"{CHECKPOINT_PREFIX}{state.global_step}"
             if checkpoint.is_dir():
-                recorded = dict(
-                    steps=steps_log,
-                    curve=curve,
-                    seen=seen,
-                    solved=solved,
-                    replay_counts=replay_counts,
-                    resumed_at=resumed_at,
-                )
-                seconds = round(time.perf_counter() - start, 1)
-                _write_atomic(
-                    checkpoint / STUDY_STATE, json.dumps({"settings": settings, "seconds": seconds, **recorded})
-                )
+                recorded = {"settings": settings, "seconds": round(time.perf_counter() - start, 1), "steps": steps_log,
+                            "curve": curve, "seen": seen, "solved": solved, "replay_counts": replay_counts,
+                            "resumed_at": resumed_at}  # fmt: skip
+                _write_atomic(checkpoint / STUDY_STATE, json.dumps(recorded))
 
     from transformers.trainer_callback import PrinterCallback
 
