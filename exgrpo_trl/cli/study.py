@@ -329,7 +329,6 @@ def _rows_by_key(dataset) -> dict[str, dict]:
     return {question_key(row["prompt"]): row for row in dataset}
 
 
-CHECKPOINT_PREFIX = "checkpoint-"
 STUDY_STATE = "study_state.json"  # the recorder's state beside a run's checkpoint, written after the trainer's save
 
 
@@ -377,6 +376,8 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
+
+    from ..checkpoints import CHECKPOINT_PREFIX, checkpoint_step
 
     arm = ARMS[arm_name]
     torch.set_num_threads(1)
@@ -437,7 +438,7 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
         for counter, name in ((seen, "seen"), (solved, "solved"), (replay_counts, "replay_counts")):
             counter.update(saved[name])
         start -= saved["seconds"]
-        resumed_at = [*saved["resumed_at"], int(Path(resume).name[len(CHECKPOINT_PREFIX) :])]
+        resumed_at = [*saved["resumed_at"], checkpoint_step(Path(resume).name)]
 
     def evaluate_now(step: int, rollouts: int) -> None:
         result = _evaluation(task, trainer.model, tokenizer, eval_set, seed)
