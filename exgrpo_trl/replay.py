@@ -86,6 +86,7 @@ class ReplayPlan:
     with_trajectories: bool = True  # False: the questions are revisited with K fresh rollouts, no stored row
     masks: list[list[int] | None] = field(default_factory=list)  # per trajectory: 1 for the model's tokens, or None
     records: list[dict[str, Any] | None] = field(default_factory=list)  # per trajectory (`Trajectory.record`)
+    collected_at: list[int] = field(default_factory=list)  # per trajectory: the global step it was collected at
 
     def mask(self, j: int) -> list[int]:
         """Trajectory j's model mask (all ones when every token is the model's)."""
@@ -118,6 +119,7 @@ class ReplayPlan:
             with_trajectories=with_trajectories,
             masks=[None if t.mask is None else t.mask.tolist() for t in picked],
             records=[t.record for t in picked],
+            collected_at=[int(t.step) for t in picked],
         )
 
 

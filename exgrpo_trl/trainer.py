@@ -325,6 +325,9 @@ class ExGRPOTrainer(GRPOTrainer):
         self._exgrpo_record_warned = False  # `_exgrpo_row_record` speaks once per run
         # The plan of the last training generation batch (None: nothing replayed), for callbacks and studies.
         self.last_replay_plan: ReplayPlan | None = None
+        # Set it to a list to receive, per loss pass, the importance weights w of this rank's replayed tokens (1-D,
+        # detached, on the CPU): the distribution behind the logged means, for diagnostics. None: nothing is kept.
+        self.replay_token_weights: list[torch.Tensor] | None = None
 
     # ------------------------------------------------------------------------------------------ data
     def _get_train_sampler(self, dataset=None):
@@ -955,21 +958,28 @@ class ExGRPOTrainer(GRPOTrainer):
         )
         # Statistics over replayed tokens of all ranks: one collective per micro-batch, on every rank.
         token_mask = (mask * replay_mask).bool()  # (B, T)
+        weights = w[token_mask]  # (n,)
+        if self.replay_token_weights is not None:
+            self.replay_token_weights.append(weights.float().cpu())
+        gamma = cfg.policy_shaping_gamma
         local = torch.stack(
             [
-                w[token_mask].sum(),
+                weights.sum(),
                 shaped[token_mask].sum(),
                 token_mask.sum().to(w.dtype),
-                w[token_mask].max() if token_mask.any() else w.new_tensor(0.0),
+                weights.max() if token_mask.any() else w.new_tensor(0.0),
                 replay_loss.detach(),
+                (weights < gamma).sum().to(w.dtype) if gamma is not None else w.new_tensor(0.0),
             ]
         ).float()
-        stats = self.accelerator.gather(local.unsqueeze(0))  # (world, 5)
+        stats = self.accelerator.gather(local.unsqueeze(0))  # (world, 6)
         count = stats[:, 2].sum().item()
         metrics = self._metrics["train"]
         if count > 0:
             metrics[METRIC_PREFIX + "replay/is_weight_mean"].append(stats[:, 0].sum().item() / count)
             metrics[METRIC_PREFIX + "replay/is_weight_max"].append(stats[:, 3].max().item())
             metrics[METRIC_PREFIX + "replay/shaped_weight_mean"].append(stats[:, 1].sum().item() / count)
+            if gamma is not None:  # the tokens whose weight the shaping holds near 0 (f(w) < 1/2)
+                metrics[METRIC_PREFIX + "replay/is_weight_below_gamma"].append(stats[:, 5].sum().item() / count)
         metrics[METRIC_PREFIX + "replay/loss"].append(stats[:, 4].mean().item())
         return replay_loss

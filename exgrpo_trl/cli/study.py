@@ -255,6 +255,31 @@ def _sweep_point(lr: str, steps: int) -> Task:
 
 TASKS.update({f"{SWEEP_FAMILY}-lr{lr}": _sweep_point(lr, steps) for lr, steps in SWEEP_POINTS.items()})
 
+# The difficulty axis at the paper-shaped step: the same batch shape, pool, held-out set, lr and length as the
+# paper-shaped point, from a weaker warm start, so that about half of the training questions a GRPO run draws are
+# never solved by it; replay from the first step, the paper's weak-model (Llama-3.1-8B) setting. How the warm start
+# was chosen: docs/study.md, "The hard point".
+HARD_POINT = "countdown-hard"
+HARD_WARM_START = 600
+
+
+def _difficulty_point(name: str, warm_start_steps: int, description: str) -> Task:
+    return dataclasses.replace(
+        TASKS[PAPER_POINT],
+        name=name,
+        description=description,
+        warm_start_steps=warm_start_steps,
+        exgrpo={"replay_start_pass_rate": 0.0},
+    )
+
+
+TASKS[HARD_POINT] = _difficulty_point(
+    HARD_POINT,
+    HARD_WARM_START,
+    f"Countdown, the paper's batch shape and step (lr 2.5e-5), a weak warm start ({HARD_WARM_START} steps): about "
+    "half the training questions never solved; replay from the first step",
+)
+
 
 @dataclass(frozen=True)
 class Arm:
@@ -410,12 +435,17 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
     seen: Counter = Counter()  # training question -> rollouts scored (fresh and replayed rows alike)
     solved: Counter = Counter()  # training question -> successful rollouts among them
 
+    groups_now: dict[str, float] = {}  # the zero-variance shares of the generation batch being scored
+
     @functools.wraps(task.reward)
     def reward(prompts, completions, **columns):
         rewards = task.reward(prompts=prompts, completions=completions, **columns)
         for prompt, r in zip(prompts, rewards):
             seen[prompt] += 1
             solved[prompt] += r is not None and r >= 1.0
+        plan = getattr(trainer, "last_replay_plan", None)  # set before this batch was generated
+        groups_now.clear()
+        groups_now.update(group_shares(rewards, task.num_generations, len(plan.keys) if plan is not None else 0))
         return rewards
 
     trainer = trainer_cls(
@@ -430,11 +460,16 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
         "batch_pass_at_1": [], "buffer_questions": [], "retired": [],
     }  # fmt: skip
     curve: dict[str, Any] = {"step": [], "rollouts": [], "pass_at_1": [], "by_difficulty": {}}
+    # One entry per generation batch (`batch_record`): zero-variance groups among fresh and replayed groups, bucket
+    # occupancy, the replayed trajectories' age and the importance weights of their tokens.
+    batches: list[dict] = []
+    weights: list = []  # the replayed tokens' importance weights of the generation batch being trained on
     replay_counts: Counter = Counter()
     resumed_at: list[int] = []  # the updates a killed run resumed from
     if saved is not None:  # a killed run: everything recorded up to its checkpoint
         steps_log.update(saved["steps"])
         curve.update(saved["curve"])
+        batches.extend(saved.get("batches", []))
         for counter, name in ((seen, "seen"), (solved, "solved"), (replay_counts, "replay_counts")):
             counter.update(saved[name])
         start -= saved["seconds"]
@@ -466,6 +501,15 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
             buffer = getattr(trainer, "experience_buffer", None)
             steps_log["buffer_questions"].append(buffer.num_questions if buffer is not None else None)
             steps_log["retired"].append(len(buffer.retired) if buffer is not None else None)
+            if generated_now:
+                batches.append(batch_record(state.global_step - 1, plan, groups_now, buffer))
+            logged = getattr(trainer, "replay_token_weights", None)  # ExGRPOTrainer's, a list from the start
+            if logged:
+                weights.extend(logged)
+                logged.clear()
+            if state.global_step % spg == 0 and batches:  # the generation batch's last update: its weights are in
+                batches[-1]["is_weight"] = weight_summary(weights, getattr(trainer.args, "policy_shaping_gamma", None))
+                weights.clear()
             if state.global_step % task.eval_every == 0 or state.global_step == state.max_steps:
                 evaluate_now(state.global_step, total)
             _write_atomic(progress, f"{state.global_step} {state.max_steps}\n")
@@ -475,13 +519,15 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
             if checkpoint.is_dir():
                 recorded = {"settings": settings, "seconds": round(time.perf_counter() - start, 1), "steps": steps_log,
                             "curve": curve, "seen": seen, "solved": solved, "replay_counts": replay_counts,
-                            "resumed_at": resumed_at}  # fmt: skip
+                            "resumed_at": resumed_at, "batches": batches}  # fmt: skip
                 _write_atomic(checkpoint / STUDY_STATE, json.dumps(recorded))
 
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(Recorder())
+    if hasattr(trainer, "replay_token_weights"):  # ExGRPOTrainer: keep the replayed tokens' weights for the record
+        trainer.replay_token_weights = []
     if resume is None:
         evaluate_now(0, 0)
     trainer.train(resume_from_checkpoint=resume)
@@ -519,6 +565,7 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
         "resumed_at": resumed_at,
         "curve": curve,
         "steps": steps_log,
+        "batches": batches,
         "replay_counts": {
             "questions_replayed": len(replay_counts),
             "replays": sum(replay_counts.values()),
@@ -542,6 +589,53 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
     _write_atomic(out_path, json.dumps(record, separators=(",", ":")) + "\n")
     shutil.rmtree(kwargs["output_dir"], ignore_errors=True)  # the run's checkpoints: the record is saved
     return record
+
+
+def group_shares(rewards: list, k: int, replayed: int) -> dict[str, float]:
+    """Counts of groups of `k` consecutive rows with no success (all-fail) and with every row a success (all-pass),
+    among the fresh groups and among the last `replayed` groups (a replay plan's), whose advantages are all zero.
+    A row succeeds with a reward >= 1 (the toy tasks' rewards are 0 or 1, so these are the zero-variance groups)."""
+    solved = [r is not None and r >= 1.0 for r in rewards]
+    groups = [sum(solved[g * k : (g + 1) * k]) for g in range(len(solved) // k)]
+    split = len(groups) - replayed
+    out = {}
+    for name, part in (("fresh", groups[:split]), ("replayed", groups[split:])):
+        out[f"{name}_groups"] = len(part)
+        out[f"{name}_all_fail"] = sum(1 for c in part if c == 0)
+        out[f"{name}_all_pass"] = sum(1 for c in part if c == k)
+    return out
+
+
+def batch_record(step: int, plan, groups: dict, buffer) -> dict:
+    """What one generation batch, generated at update `step` (0-based), was made of: its fresh and replayed groups
+    (`group_shares`), the buffer's bucket occupancy after the batch was committed (questions per k = 1..K-1), and
+    the age in updates of each replayed stored trajectory (`step` minus the update it was collected at)."""
+    ages = [step - c for c in plan.collected_at] if plan is not None and plan.with_trajectories else []
+    return {
+        "step": step,
+        **groups,
+        "buckets": {str(b): n for b, n in buffer.bucket_counts().items()} if buffer is not None else None,
+        "age": {"mean": _r(statistics.mean(ages), 2), "max": max(ages)} if ages else None,
+    }
+
+
+def weight_summary(weights: list, gamma: float | None) -> dict | None:
+    """The importance weights w of one generation batch's replayed tokens (over both of its updates): mean, 5th and
+    95th percentile, and the share below `gamma` (where the shaping f(w) = w / (w + gamma) is under 1/2)."""
+    import torch
+
+    if not weights or sum(t.numel() for t in weights) == 0:
+        return None
+    w = torch.cat([t.double().flatten() for t in weights])
+    q = torch.quantile(w, torch.tensor([0.05, 0.95], dtype=torch.float64)).tolist()
+    below = None if gamma is None else float((w < gamma).double().mean())
+    return {
+        "tokens": w.numel(),
+        "mean": _r(float(w.mean())),
+        "p05": _r(q[0]),
+        "p95": _r(q[1]),
+        "below_gamma": _r(below),
+    }
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -870,14 +964,15 @@ def _overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
-# The sweep's generation batch (128 questions) would not fit in QUICK's 64 training questions.
+# The paper's generation batch (128 questions) would not fit in QUICK's 64 training questions.
 QUICK_SWEEP = dict(prompts_per_step=8, final_eval_seeds=2)
 
 
 def _tasks(quick: bool, overrides: dict[str, Any] | None = None) -> dict[str, Task]:
     tasks = {}
     for name, task in TASKS.items():
-        extra = {**(QUICK if quick else {}), **(QUICK_SWEEP if quick and name.startswith(SWEEP_FAMILY) else {})}
+        big = task.generation_questions > QUICK["train_questions"]  # the paper's batch shape (sweep, difficulty)
+        extra = {**(QUICK if quick else {}), **(QUICK_SWEEP if quick and big else {})}
         tasks[name] = dataclasses.replace(task, **{**extra, **(overrides or {})})  # --set wins over --quick
     return tasks
 
