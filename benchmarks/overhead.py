@@ -37,7 +37,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import Trajectory, question_key
-from exgrpo_trl.tasks.toy import ALPHABET, SPECIAL_TOKENS, build_char_tokenizer, build_tiny_model
+from exgrpo_trl.utils.tiny import ALPHABET, SPECIAL_TOKENS, build_char_tokenizer, build_tiny_model
 
 CHAR_VOCAB = len(SPECIAL_TOKENS) + len(ALPHABET)  # the character tokenizer; a grown one adds fillers after it
 TIMED = {
@@ -62,9 +62,9 @@ class TimedExGRPOTrainer(ExGRPOTrainer):
         for label, name in TIMED.items():
             setattr(self, name, self._timed(label, getattr(self, name)))
 
-    def _exgrpo_score_entropies(self, prompt_ids, completion_ids):
+    def _exgrpo_score_entropies(self, prompt_ids, completion_ids, masks=None):
         self.scored_rows.append(len(completion_ids))
-        return super()._exgrpo_score_entropies(prompt_ids, completion_ids)
+        return super()._exgrpo_score_entropies(prompt_ids, completion_ids, masks)
 
     def training_step(self, *args, **kwargs):
         if self._step % self.current_gradient_accumulation_steps == 0:

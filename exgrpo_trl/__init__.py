@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 __all__ = ["ExGRPOConfig", "ExGRPOTrainer", "ExperienceBuffer", "__version__"]
 
-# Lazy attributes: `import exgrpo_trl.tasks.toy` or the CLI should not pay for importing trl.
+# Lazy attributes: `import exgrpo_trl.utils.tiny` or the CLI should not pay for importing trl.
 _LAZY = {
     "ExGRPOConfig": "exgrpo_trl.config",
     "ExGRPOTrainer": "exgrpo_trl.trainer",

@@ -22,12 +22,13 @@ import json
 import os
 import shutil
 import zipfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from safetensors import safe_open
 
-from .state import STATE_DIRNAME, StateFileError, read_meta, read_small_arrays
+from .state import STATE_DIRNAME, StateFileError, has_state, load_state, read_meta, read_small_arrays
 
 TRAINER_STATE_NAME = "trainer_state.json"
 ENTROPY_STATE_NAME = "entropy_ctrl_state.json"  # TRL's adaptive entropy coefficient
@@ -223,3 +224,42 @@ def rotate_checkpoints(
     for path in deleted:
         shutil.rmtree(path, ignore_errors=True)
     return [str(p) for p in deleted]
+
+
+def restore_state(
+    checkpoint: str | os.PathLike,
+    buffer,
+    *,
+    num_generations: int,
+    is_main_process: bool,
+    warn: Callable[[str], None],
+) -> dict[str, Any] | None:
+    """Restore the experience buffer saved in `checkpoint` into `buffer`, and return ExGRPO's saved switches and
+    sampler state (None, after a warning, when the checkpoint holds no ExGRPO state: plain GRPO's).
+
+    A buffer saved with another `num_generations` cannot carry over (its success buckets and retirement depend on K):
+    ValueError. Other sampling settings may differ: the run's config wins, with a warning (main process). Only the
+    main process loads the trajectories; the others need the retired set (for the sampler)."""
+    if not has_state(checkpoint):
+        warn(
+            f"ExGRPO: {checkpoint} holds no ExGRPO state (a plain GRPO checkpoint?): training resumes with an "
+            "empty experience buffer and the delayed-start switch from the config."
+        )
+        return None
+    meta = read_meta(checkpoint)
+    saved_k = meta["buffer"]["config"]["num_generations"]
+    if saved_k != num_generations:
+        raise ValueError(
+            f"{checkpoint} was trained with num_generations={saved_k}, this run uses {num_generations}: its "
+            f"experience buffer's success counts do not carry over. Resume with num_generations={saved_k}, or "
+            "start a fresh run in another output_dir."
+        )
+    changes = buffer.config_changes(meta["buffer"]["config"])
+    if changes and is_main_process:
+        names = {"mu": "replay_mu", "sigma": "replay_sigma"}
+        what = ", ".join(f"{names.get(n, n)} {old!r} -> {new!r}" for n, (old, new) in changes.items())
+        warn(
+            f"ExGRPO: {checkpoint} was saved with other replay settings; this run's config is used ({what}). "
+            "The buffer's questions, trajectories and random state are restored as saved."
+        )
+    return load_state(checkpoint, buffer, with_trajectories=is_main_process, meta=meta)

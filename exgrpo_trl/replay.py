@@ -1,8 +1,8 @@
 """The replay bookkeeping of one generation batch (algorithm §2-5, §7), free of the training loop.
 
 No trl, transformers or accelerate imports (`scripts/check_imports.py` enforces it): everything here works on plain
-lists, dicts, numpy arrays and CPU tensors, and is tested directly in `tests/test_replay.py`. `trainer.py` calls these
-from TRL's hooks and adds what needs the model or the other ranks (entropy scoring, broadcasts, gathers).
+lists, dicts, numpy arrays and CPU tensors, and is tested directly in `tests/algorithm/test_replay.py`. `trainer.py`
+calls these from TRL's hooks and adds what needs the model or the other ranks (entropy scoring, broadcasts, gathers).
 
 One generation batch, in order:
 1. `replay_count` and `draw_replay_questions` (main process): which questions to replay, and the stored trajectories
@@ -16,10 +16,9 @@ One generation batch, in order:
 
 from __future__ import annotations
 
-import base64
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,11 +189,15 @@ class GroupOutcome:
 
 @dataclass
 class StoredRow:
-    """A row whose completion will be stored once its behaviour log-probs are known."""
+    """A row whose completion will be stored once its behaviour log-probs are known (`completion_ids` and `logps`
+    are set then, with its model `mask`), and what `commit` receives of it from every rank."""
 
     global_row: int
     key: str
     record: dict[str, Any] | None = None  # what the reward functions saw of a multi-turn row (`Trajectory.record`)
+    completion_ids: list[int] | None = None
+    logps: list[float] | None = None  # the behaviour policy's, per token
+    mask: list[int] | None = None  # 1 for the model's tokens; None: all of them
 
 
 @dataclass
@@ -205,8 +208,11 @@ class PendingCollection:
     rows: dict[int, StoredRow]  # local row -> where it goes
     micro_batches_left: int  # loss passes until every row of the batch has been seen once
     step: int  # the global step the trajectories are collected at
-    # local row -> (ids, logps, model mask or None)
-    trajectories: dict[int, tuple[list[int], list[float], list[int] | None]] = field(default_factory=dict)
+
+    def take_recorded(self) -> list[StoredRow]:
+        """The rows whose behaviour log-probs are known, removed from `rows` (each is committed once)."""
+        done = [local for local, row in self.rows.items() if row.logps is not None]
+        return [self.rows.pop(local) for local in done]
 
 
 def collect(
@@ -255,137 +261,23 @@ def collect(
 
 def commit(
     buffer: ExperienceBuffer,
-    gathered: Sequence[tuple[list[GroupOutcome], list[tuple]]],
+    gathered: Sequence[tuple[list[GroupOutcome], list[StoredRow]]],
     *,
     step: int,
     is_main_process: bool,
     k: int,
 ) -> None:
     """Apply every rank's (groups, trajectories) to the buffer, in global row order so that every world size builds
-    the same buffer. Only the main process holds trajectories; the others keep the retired set (for the sampler).
-
-    A trajectory is (global row, key, ids, logps), optionally followed by its model mask and its record."""
+    the same buffer. Only the main process holds trajectories; the others keep the retired set (for the sampler)."""
     groups = sorted((g for rank_groups, _ in gathered for g in rank_groups), key=lambda g: g.group)
     by_key: dict[str, list[Trajectory]] = {}
     if is_main_process:
-        trajectories = sorted((t for _, rank_trajectories in gathered for t in rank_trajectories), key=lambda t: t[0])
-        for _, key, ids, logps, *extra in trajectories:
-            mask, record = (list(extra) + [None, None])[:2]
-            by_key.setdefault(key, []).append(Trajectory(ids, logps, step, mask, record))
+        rows = sorted((row for _, rank_rows in gathered for row in rank_rows), key=lambda row: row.global_row)
+        for row in rows:
+            trajectory = Trajectory(row.completion_ids, row.logps, step, row.mask, row.record)
+            by_key.setdefault(row.key, []).append(trajectory)
     for g in groups:
         if is_main_process:
             buffer.update_group(g.key, g.k, g.row, by_key.pop(g.key, ()))
         elif g.k == k:
             buffer.retire(g.key)
-
-
-# ------------------------------------------------------------------------------------------------ sampler
-class SkipRetiredSampler(torch.utils.data.Sampler):
-    """Wraps TRL's RepeatSampler so that fresh questions are drawn only among those not retired (algorithm §4), and so
-    that where it is in its epochs is training state that a checkpoint can hold.
-
-    The inner sampler permutes `num_samples` positions with its own generator; we point those positions at the rows
-    that were not retired when the pass began, so the ordering logic stays TRL's own. An epoch keeps its nominal
-    number of batches (the Trainer sized the run from it, so `max_steps` is honoured): when the remaining questions
-    run out, a new pass over them begins. With nothing to skip (`retired` stays empty) it yields exactly what the
-    inner sampler yields.
-
-    Resuming: the inner generator advances once per pass, and the Trainer does not replay earlier epochs on resume,
-    so a resumed run would draw its epoch in the first epoch's order (TRL's GRPOTrainer does). `state_dict` holds the
-    epoch being drawn, the inner generator's state when that epoch began, and the questions each of its passes
-    excluded; `load_state_dict` makes the next epoch drawn start from there: the same epoch again (a checkpoint inside
-    it; the Trainer then skips the batches already trained), or the one after it (a checkpoint at its end: the saved
-    epoch is drawn and thrown away first, which only advances the generator as the first run did). The Trainer says
-    which epoch it draws through `set_epoch`; without it, epochs are counted.
-    """
-
-    def __init__(self, inner, prompts_fn: Callable[[], Sequence[Any]], retired: set[str]):
-        self.inner = inner
-        self._prompts_fn = prompts_fn
-        self._keys: list[str] | None = None
-        self.retired = retired
-        self.passes: list[frozenset[str]] = []  # questions excluded by each pass of the current epoch
-        self.epoch = -1  # the epoch being drawn (-1: none yet)
-        self._next_epoch: int | None = None  # from set_epoch
-        self._epoch_start: torch.Tensor | None = None  # the inner generator's state when `epoch` began
-        self.resume: dict[str, Any] | None = None  # a saved state_dict, applied by the next epoch drawn
-
-    def __len__(self):
-        return len(self.inner)
-
-    def set_epoch(self, epoch: int) -> None:
-        self._next_epoch = epoch
-
-    @property
-    def _generator(self) -> torch.Generator | None:
-        return getattr(self.inner, "generator", None)  # TRL's RepeatSampler has one when it shuffles
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-safe: the epoch, the generator's state at its start (base64 bytes, None without a generator) and the
-        questions excluded by each pass begun so far."""
-        start = self._epoch_start
-        return {
-            "epoch": self.epoch,
-            "generator": None if start is None else base64.b64encode(start.numpy().tobytes()).decode("ascii"),
-            "passes": [sorted(p) for p in self.passes],
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.resume = state
-
-    def __iter__(self):
-        epoch = self.epoch + 1 if self._next_epoch is None else self._next_epoch
-        self._next_epoch = None
-        resume, self.resume = self.resume, None
-        passes: list[frozenset[str]] = []
-        if resume is not None:
-            passes = [frozenset(p) for p in resume.get("passes") or []]
-            saved_epoch, generator = resume.get("epoch"), self._generator
-            if saved_epoch is not None and saved_epoch >= 0:  # older checkpoints saved the passes only
-                if generator is not None and resume.get("generator") is not None:
-                    raw = base64.b64decode(resume["generator"])
-                    generator.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-                if saved_epoch < epoch:  # saved at the end of its epoch: draw that epoch again, unused
-                    if saved_epoch + 1 < epoch:
-                        logger.warning(
-                            f"ExGRPO: the checkpoint's sampler was in epoch {saved_epoch}, the Trainer resumes in "
-                            f"epoch {epoch}: the epochs in between cannot be replayed, so the order differs from the "
-                            "first run's."
-                        )
-                    for _ in self._draw(passes):
-                        pass
-                    passes = []
-                elif saved_epoch > epoch:
-                    passes = []
-        self.epoch = epoch
-        generator = self._generator
-        self._epoch_start = None if generator is None else generator.get_state()
-        yield from self._draw(passes)
-
-    def _draw(self, resume: list[frozenset[str]]):
-        """One epoch: passes over the questions not retired, the first ones excluding `resume`'s sets instead."""
-        self.passes = []
-        nominal, produced, full = len(self.inner), 0, self.inner.num_samples
-        while produced < nominal:
-            excluded = resume[len(self.passes)] if len(self.passes) < len(resume) else frozenset(self.retired)
-            self.passes.append(excluded)
-            active = range(full)
-            if excluded:
-                if self._keys is None:
-                    self._keys = [question_key(p) for p in self._prompts_fn()]
-                active = [i for i, key in enumerate(self._keys) if key not in excluded]
-                if len(active) < self.inner.batch_size:
-                    logger.warning(
-                        f"ExGRPO: only {len(active)} questions are not retired, fewer than one batch "
-                        f"({self.inner.batch_size}); drawing from the whole dataset again."
-                    )
-                    active = range(full)
-            self.inner.num_samples = len(active)
-            try:
-                for position in self.inner:
-                    yield active[position]
-                    produced += 1
-                    if produced == nominal:
-                        return
-            finally:
-                self.inner.num_samples = full

@@ -17,20 +17,20 @@ import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
 from .buffer import ExperienceBuffer
 from .card import add_section, exgrpo_card_section, fix_local_references
-from .checkpoints import remove_state_leftovers, rotate_checkpoints
+from .checkpoints import remove_state_leftovers, restore_state, rotate_checkpoints
+from .checks import check_arguments, check_built, threshold_mismatch
 from .config import ExGRPOConfig
-from .loss import PPO_CLIPPED_LOSS_TYPES, SUPPORTED_LOSS_TYPES, aggregate_token_loss, shaped_replay_token_loss
+from .loss import aggregate_token_loss, shaped_replay_token_loss
 from .replay import (
     BatchOutcome,
     PendingCollection,
     ReplayPlan,
     RowAssignment,
-    SkipRetiredSampler,
     assign_rows,
     batch_outcome,
     collect,
@@ -39,8 +39,9 @@ from .replay import (
     replay_count,
     select_lowest,
 )
+from .sampler import SkipRetiredSampler
 from .scoring import masked_mean_per_row, model_token_mask, pad_prompt_completion
-from .state import has_state, load_state, read_meta, save_state
+from .state import save_state
 
 logger = logging.get_logger(__name__)
 
@@ -49,15 +50,17 @@ METRIC_PREFIX = "exgrpo/"
 # benchmark's CPU model took 62.8 ms in chunks of 16, 55.6 ms in chunks of 32 and 60.0 ms in chunks of 48.
 SCORING_CHUNK_ROWS = 32
 REPLAYED_COLUMN = "exgrpo_replayed"  # column of the completions table marking replayed rows
-ENVIRONMENT_OWNED_DATA = (
-    "ExGRPOTrainer needs a train_dataset with a 'prompt' column when environment_factory is given: without one the "
-    "environment picks each question in reset(), so a replayed question's fresh rollouts cannot be put back on it; "
-    "pass the questions as a train_dataset (each row is given to reset(**row)), or train with GRPOTrainer."
-)
-IMAGE_INPUTS = (
-    "ExGRPOTrainer does not support image inputs: the experience buffer keeps each question's dataset row in the "
-    "checkpoint's JSON state and scores stored trajectories with text-only forward passes; train with GRPOTrainer."
-)
+
+
+class BatchKey:
+    """The per-row keys ExGRPO adds to the batch dict TRL's `_generate_and_score_completions` returns; TRL's shuffle
+    and split of the batch carry them along with every row to `_compute_loss`."""
+
+    ROW = "exgrpo_row"  # (B,) the row's index in this rank's generation batch
+    COLLECT = "exgrpo_collect"  # (B,) its completion is stored once its behaviour log-probs are known
+    REPLAY_MASK = "exgrpo_replay_mask"  # (B,) the row carries a stored trajectory
+    BEHAVIOUR_LOGPS = "exgrpo_behaviour_logps"  # (B, T) the stored trajectory's behaviour log-probs, 0 elsewhere
+    UNCLIPPED = "exgrpo_unclipped"  # (B,) generated after replay started: no PPO clip on its fresh tokens
 
 
 @dataclass
@@ -76,53 +79,17 @@ class GenerationBatch:
     rewards: torch.Tensor | None = None  # (N_global, F): every rank's rewards, gathered
 
 
-def threshold_mismatch(
-    rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, solved: torch.Tensor, threshold: float, k: int
-) -> str | None:
-    """A warning when `success_reward_threshold` cannot tell rollouts apart in this batch, else None.
-
-    Rewards that vary within a group while every rollout counts as solved (a reward such as 1 + 4 * correct with the
-    default threshold 1.0), or while none does (correct answers scoring below the threshold), mean the threshold does
-    not sit between a wrong and a right answer: success counts are all K/K (or all 0), Pass@1 is wrong, and the
-    buffer stays empty. Totals as `replay.batch_outcome` computes them (NaN rewards count as 0)."""
-    total = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1).view(-1, k)
-    if not bool((total.amax(dim=1) > total.amin(dim=1)).any()):
-        return None  # no group tells rollouts apart: nothing to judge the threshold by
-    low, high = total.min().item(), total.max().item()
-    if bool(solved.all()):
-        what = "every rollout of this batch counts as solved"
-        effect = "batch Pass@1 reads 1.0, every question is retired and the experience buffer stays empty"
-    elif not bool(solved.any()):
-        what = "no rollout of this batch counts as solved"
-        effect = "nothing is stored in the experience buffer and the delayed start cannot be reached"
-    else:
-        return None
-    return (
-        f"ExGRPO: {what} (weighted total reward >= success_reward_threshold={threshold:g}), yet rewards vary within "
-        f"groups (from {low:g} to {high:g}): {effect}. Set success_reward_threshold to the weighted total reward of a "
-        f"correct answer (here perhaps {high:g})."
-    )
-
-
-def replay_never_fires(cfg: ExGRPOConfig) -> str | None:
-    """A warning when the generation batch is too small for `replay_ratio` to replay a single group, else None.
-
-    With TRL's default batch shape (8 rows, K = 8: one question per generation batch) n_exp = floor(rho * 1) = 0 at
-    every step: nothing is ever replayed, and ExGRPOTrainer trains GRPO with retirement."""
-    if not cfg.replay_ratio:
-        return None
-    groups = cfg.generation_batch_size // cfg.num_generations  # questions per generation batch, all ranks together
-    if replay_count(groups, cfg.replay_ratio, groups) > 0:
-        return None
-    needed = math.ceil(1.0 / cfg.replay_ratio - 1e-9)
-    return (
-        f"ExGRPO: replay_ratio={cfg.replay_ratio:g} will never replay anything: a generation batch of "
-        f"{cfg.generation_batch_size} rows holds {groups} question(s) of num_generations={cfg.num_generations} "
-        f"rollouts, and floor({cfg.replay_ratio:g} x {groups}) = 0 of them come from the buffer. Give a generation "
-        f"batch at least {needed} questions (generation_batch_size >= {needed * cfg.num_generations}, or more "
-        "steps_per_generation, gradient_accumulation_steps or per_device_train_batch_size), or raise replay_ratio; "
-        "replay_ratio=0 trains GRPO."
-    )
+@contextlib.contextmanager
+def swapped(obj, **values):
+    """Within the block, `obj`'s attributes hold `values` (where TRL reads them from); restored afterwards."""
+    saved = {name: getattr(obj, name, None) for name in values}
+    for name, value in values.items():
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(obj, name, value)
 
 
 def _plain(value):
@@ -132,117 +99,48 @@ def _plain(value):
     raise TypeError(f"a value of type {type(value).__name__}")
 
 
-def save_steps_inside_generation_batches(cfg: GRPOConfig) -> str | None:
-    """A warning when `save_steps` puts checkpoints inside generation batches, else None.
-
-    TRL generates once per `steps_per_generation * num_iterations` micro-batches and trains on that batch until the
-    next generation; a checkpoint keeps none of it. A run resumed from a checkpoint inside a generation batch
-    generates that batch again, with other samples: it trains on correctly, but not bitwise as the run it came from
-    would have. (Saving the rest of the batch instead would mean saving TRL's private buffered inputs, whose layout
-    changes between TRL versions; a save_steps on the batch boundaries costs nothing.)"""
-    strategy = getattr(cfg.save_strategy, "value", cfg.save_strategy)
-    save_steps = cfg.save_steps
-    if strategy != "steps" or not save_steps:
-        return None
-    if save_steps < 1:  # a ratio of the run
-        if cfg.max_steps <= 0:
-            return None
-        save_steps = math.ceil(cfg.max_steps * save_steps)
-    save_steps = int(save_steps)
-    micro = cfg.steps_per_generation * cfg.num_iterations  # micro-batches from one generation to the next
-    accumulation = cfg.gradient_accumulation_steps
-    if save_steps * accumulation % micro == 0:
-        return None
-    every = micro // math.gcd(micro, accumulation)  # optimizer steps from one generation boundary to the next
-    return (
-        f"ExGRPO: save_steps={save_steps} puts checkpoints inside generation batches (one every {every} optimizer "
-        f"steps: steps_per_generation={cfg.steps_per_generation} x num_iterations={cfg.num_iterations} / "
-        f"gradient_accumulation_steps={accumulation}); a run resumed from one generates that batch again and does not "
-        f"continue bitwise. save_steps that are multiples of {every} resume exactly."
-    )
-
-
-def _check_prompt_column(dataset, name: str) -> None:
-    """GRPOTrainer reads each row's 'prompt' only at the first step, where a missing column is a bare KeyError."""
-    columns = getattr(dataset, "column_names", None)  # None: no dataset, or one that does not know its columns
-    if columns is not None and "prompt" not in columns:
-        raise ValueError(
-            f"{name} has no 'prompt' column (its columns: {', '.join(map(repr, columns)) or 'none'}); GRPOTrainer and "
-            "ExGRPOTrainer read each question from 'prompt': rename the question column, e.g. "
-            "`dataset.rename_column('question', 'prompt')`."
-        )
-
-
 class ExGRPOTrainer(GRPOTrainer):
     """GRPOTrainer that learns from its own past successes (ExGRPO, arXiv 2510.02245).
 
-    Successful rollouts go into an :class:`~exgrpo_trl.ExperienceBuffer`; every generation batch, a fraction
-    `replay_ratio` of its questions are drawn from the buffer (favouring medium difficulty), each with its
-    lowest-entropy stored trajectory, which joins K-1 fresh rollouts of the same question in one GRPO group. Replayed
-    tokens are weighted by the shaped importance weight f(w) = w / (w + gamma), with no clipping. With
-    `replay_ratio=0` training is exactly GRPOTrainer's (the buffer is still tracked, for statistics).
+    Successful rollouts go into an :class:`~exgrpo_trl.ExperienceBuffer`; every generation batch, `replay_ratio` of
+    its questions are drawn from the buffer (favouring medium difficulty), each with its lowest-entropy stored
+    trajectory, which joins K-1 fresh rollouts of the same question in one GRPO group; replayed tokens are weighted by
+    f(w) = w / (w + gamma), unclipped. With `replay_ratio=0` training is exactly GRPOTrainer's. The constructor is
+    GRPOTrainer's; `args` must be an :class:`~exgrpo_trl.ExGRPOConfig`. The bookkeeping is in `replay` (drawing, rows,
+    outcomes, collection) and `sampler`, free of the training loop; the checks at init in `checks`; checkpoint state
+    in `checkpoints` and `state`. This class wires them into TRL's hooks, each override calling `super()`:
 
-    The constructor is GRPOTrainer's; `args` must be an :class:`~exgrpo_trl.ExGRPOConfig`. The bookkeeping itself
-    (drawing, row assignment, success counts, collection, the skip-retired sampler) is in `exgrpo_trl.replay`, free
-    of the training loop; this class wires it into TRL's hooks.
+    ===================================== ========================================== ===============================
+    hook                                  TRL calls it to                            ExGRPO adds
+    ===================================== ========================================== ===============================
+    ``__init__``                          build the trainer                          argument checks first, then the
+                                                                                     buffer and its switches
+    ``_get_train_sampler``                draw each epoch's questions                retired questions skipped; the
+                                                                                     sampler's place saved
+    ``_generate_and_score_completions``   make and score one generation batch        the replay plan (drawn, scored
+                                                                                     for entropy on every rank), row
+                                                                                     assignment, then outcomes, the
+                                                                                     collection and per-row keys
+    ``_generate_single_turn``             sample completions                         the stored trajectory spliced
+                                                                                     into each replayed group's row
+    ``_tool_call_loop``                   run tool calls turn by turn                stored rows kept out of the
+                                                                                     loop, their masks and messages
+    ``_generate``                         call a user's ``rollout_func``             its output gets the stored rows
+    ``_calculate_rewards``                score every row                            keeps what the reward functions
+                                                                                     saw; stored environment rewards
+    ``_compute_loss``                     the loss of one micro-batch                the shaped replayed-token term;
+                                                                                     behaviour log-probs recorded
+    ``_get_per_token_logps_and_entropies`` the policy's forward pass                 its log-probs kept for the term
+    ``_save_checkpoint``                  write a checkpoint                         the buffer saved first; our own
+                                                                                     rotation
+    ``_load_optimizer_and_scheduler``     restore a checkpoint                       the buffer and switches restored
+    ``_run_epoch``                        train one epoch                            nothing past ``max_steps``
+    ``create_model_card``                 write the model card                       an ExGRPO section
+    ===================================== ========================================== ===============================
 
-    One training generation batch, in the order the hooks fire (each overridden hook calls `super()`):
-
-    1. `_generate_and_score_completions(inputs)`: commits any outcome still pending; `_exgrpo_make_plan` draws the
-       replayed questions on the main process, broadcasts them, and scores their candidates for entropy on every
-       rank (the same number of forward passes each); `assign_rows` gives the K rows of each replayed group to its
-       question (TRL resets a replayed group's environments from that row). A `GenerationBatch` holding the plan
-       and the rows is created, then `super()` runs, which calls:
-       2. `_generate_single_turn`, its first call (the first turn of every row): generates the fresh rows (skipping
-          the reserved ones where the backend allows) and puts each stored trajectory, whole, in its reserved row;
-       2b. with tools or environments, `_tool_call_loop`: the splice is completed here, because this is where a
-          whole multi-turn completion is first known (the loop calls `_generate_single_turn` again for each later
-          turn of the rows that called a tool, with only those rows) and the only place a row can be kept from the
-          tools: the reserved rows are hidden from the loop, so none of a stored trajectory's calls runs again, and
-          once the fresh rows' completions are whole each reserved row gets its stored model mask (TRL's
-          `tool_mask`) and message list (its tool calls and answers, as the reward functions saw them);
-       2c. with a `rollout_func`, `_generate`: the function produces every row (as vLLM server mode does), and its
-          output gets the stored trajectories (ids, `env_mask`, the per-row fields it returned) before TRL decodes it;
-       3. `_calculate_rewards`: records what the reward functions were given and the rewards TRL gathered across
-          ranks; an environment-owned reward (`get_reward`) of a replayed row is the one stored with it (its
-          environment was reset, not stepped).
-       TRL then decodes, pads, masks the tool tokens, computes old log-probs and advantages over the whole mixed
-       groups as usual.
-    4. Back in `_generate_and_score_completions`, `_exgrpo_after_scoring` reads the success counts, schedules the
-       collection (`PendingCollection`), adds per-row keys to the batch (replay mask, behaviour log-probs, collect
-       mask), checks the delayed start and logs; the `GenerationBatch` is dropped.
-    5. `_compute_loss`, once per micro-batch: `super()` computes TRL's loss with the replayed rows' advantages set
-       to 0 (their tokens add nothing but still count in the normaliser), inside `_exgrpo_capture_logps`, which
-       keeps the policy log-probs of TRL's own forward (`_get_per_token_logps_and_entropies`). The shaped replayed
-       term -f(w) * A is added with the same normaliser, over the model's tokens only (a tool's or an environment's
-       never carry a gradient, as in TRL; entropy scoring covers the model's tokens too). During the first pass
-       over the batch the behaviour log-probs of the rows to store are recorded (TRL's old log-probs, or the
-       detached ones of this pass when TRL skips them) with their model masks; after the last micro-batch of that
-       pass, `_exgrpo_flush` gathers every rank's outcome and commits it to the buffer.
-
-    `last_replay_plan` holds the plan of the last training generation batch (None when nothing was replayed), for
-    callbacks and studies to read.
-
-    Also overridden, each calling `super()`:
-    - `_get_train_sampler`: wraps TRL's RepeatSampler to skip retired questions from the next epoch on, and so that
-      its place in the epochs (generator state, passes) is saved with checkpoints: a resume in any epoch draws that
-      epoch's order (TRL's GRPOTrainer, resumed in a later epoch, draws the first epoch's order again).
-    - `_save_checkpoint` / `_load_optimizer_and_scheduler`: the buffer, ExGRPO's switches and the sampler's state are
-      written into each checkpoint folder (safetensors + JSON, atomically) before `super()` saves the rest and may
-      push it, and restored on every rank on resume. Rotation (`save_total_limit`) is done after `super()` by
-      `checkpoints.rotate_checkpoints`: incomplete checkpoints first, then the oldest complete ones by step.
-    - `_run_epoch`: a run resumed at `max_steps` trains nothing (transformers would take one more step).
-    - `create_model_card`: `super()` writes TRL's card (ExGRPO's name, tags and citation come from the class
-      attributes); an ExGRPO section with the main settings and the final buffer is added to it.
-
-    A generation batch too small for `replay_ratio` to replay one question (floor(rho x questions) = 0, as with TRL's
-    default 8 rows and K = 8) would never replay: `replay_never_fires` says so at init; `save_steps` that put
-    checkpoints inside generation batches, which do not resume bitwise, get a warning too.
-
-    Rejected at init: image inputs (`IMAGE_INPUTS`), and `environment_factory` without a train_dataset holding the
-    questions (`ENVIRONMENT_OWNED_DATA`: the environment would pick the question, so a replayed group could not be
-    put back on it). Replayed tokens are not affected by `top_entropy_quantile`, `off_policy_mask_threshold` or
-    sequence-level importance sampling, which apply to fresh tokens as in TRL.
+    The order these fire in over one generation batch, and what each does, is on the trainer page ("How it works
+    inside TRL"). `last_replay_plan` holds the plan of the last training generation batch (None when nothing was
+    replayed); `replay_token_weights`, set to a list, receives the importance weights of replayed tokens.
     """
 
     _tag_names = ["trl", "grpo", "exgrpo"]
@@ -262,52 +160,17 @@ class ExGRPOTrainer(GRPOTrainer):
     }
 
     def __init__(self, *args, **kwargs):
-        bound = inspect.signature(GRPOTrainer.__init__).bind(None, *args, **kwargs)
-        params = bound.arguments
-        if params.get("environment_factory") is not None:
-            columns = getattr(params.get("train_dataset"), "column_names", None)
-            if params.get("train_dataset") is None or (columns is not None and "prompt" not in columns):
-                raise ValueError(ENVIRONMENT_OWNED_DATA)
-        config = params.get("args")
-        if config is None:
-            params["args"] = ExGRPOConfig("ExGRPO")
-        elif not isinstance(config, ExGRPOConfig):
-            kind = "a GRPOConfig" if isinstance(config, GRPOConfig) else type(config).__name__
-            hint = (
-                "Convert it with `ExGRPOConfig.from_grpo_config(cfg, replay_ratio=0.5, ...)` (same GRPO settings and "
-                "batch sizes, ExGRPO's fields as keywords)"
-                if isinstance(config, GRPOConfig)
-                else "Build one with `ExGRPOConfig(output_dir=..., ...)`"
-            )
-            raise TypeError(f"ExGRPOTrainer needs an ExGRPOConfig, got {kind}. {hint}.")
-        columns = getattr(params.get("train_dataset"), "column_names", None) or []
-        if "image" in columns or "images" in columns:
-            raise NotImplementedError(IMAGE_INPUTS)
-        _check_prompt_column(params.get("train_dataset"), "train_dataset")
-        eval_dataset = params.get("eval_dataset")
-        for name, dataset in eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]:
-            _check_prompt_column(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset")
-
+        params = inspect.signature(GRPOTrainer.__init__).bind(None, *args, **kwargs).arguments
+        check_arguments(params)  # errors before TRL loads anything; puts in an ExGRPOConfig when args is None
         params.pop("self")
         reward_funcs = params.get("reward_funcs")
         num_user_rewards = 0 if reward_funcs is None else len(reward_funcs) if isinstance(reward_funcs, list) else 1
         super().__init__(**params)
-        if self._is_vlm:
-            raise NotImplementedError(IMAGE_INPUTS)
+        cfg: ExGRPOConfig = self.args
+        for warning in check_built(cfg, self.loss_type, self._is_vlm):
+            logger.warning(warning)
         # The reward columns TRL adds for environments that own their reward (`get_reward`), after the user's own.
         self._exgrpo_env_reward_columns = list(range(num_user_rewards, len(self.reward_funcs)))
-
-        if self.loss_type not in SUPPORTED_LOSS_TYPES:
-            raise ValueError(f"ExGRPOTrainer supports loss_type in {SUPPORTED_LOSS_TYPES}, got {self.loss_type!r}")
-        cfg: ExGRPOConfig = self.args
-        for warning in (replay_never_fires(cfg), save_steps_inside_generation_batches(cfg)):
-            if warning is not None:
-                logger.warning(warning)
-        if cfg.remove_clip_after_replay_start and self.loss_type not in PPO_CLIPPED_LOSS_TYPES:
-            raise ValueError(
-                f"remove_clip_after_replay_start removes the PPO clip of loss_type in {PPO_CLIPPED_LOSS_TYPES}; "
-                f"loss_type {self.loss_type!r} has none to remove."
-            )
         self.experience_buffer = ExperienceBuffer(
             self.num_generations,
             mu=cfg.replay_mu,
@@ -417,11 +280,12 @@ class ExGRPOTrainer(GRPOTrainer):
         rollout_func = self.rollout_func
         if batch is None or rollout_func is None or not batch.rows.splice:
             return super()._generate(prompts)
-        self.rollout_func = lambda prompts, trainer: self._exgrpo_splice_rollout(rollout_func(prompts, trainer), batch)
-        try:
+
+        def spliced(prompts, trainer):
+            return self._exgrpo_splice_rollout(rollout_func(prompts, trainer), batch)
+
+        with swapped(self, rollout_func=spliced):
             return super()._generate(prompts)
-        finally:
-            self.rollout_func = rollout_func
 
     def _exgrpo_splice_rollout(self, output: dict[str, Any], batch: GenerationBatch) -> dict[str, Any]:
         """A rollout function's output with each reserved row replaced by its stored trajectory: token ids, model
@@ -518,10 +382,7 @@ class ExGRPOTrainer(GRPOTrainer):
             )
             flat_completions = [c.completion_ids for _, c in candidates]
             masks = [c.mask for _, c in candidates]  # None: every token is the model's (single-turn)
-            if any(mask is not None for mask in masks):
-                entropies = self._exgrpo_score_entropies(flat_prompts, flat_completions, masks)
-            else:  # the two-argument call subclasses (benchmarks, tests) override
-                entropies = self._exgrpo_score_entropies(flat_prompts, flat_completions)
+            entropies = self._exgrpo_score_entropies(flat_prompts, flat_completions, masks)
             start = 0
             for i in scored:
                 scores = entropies[start : start + len(drawn[i].candidates)]
@@ -534,12 +395,10 @@ class ExGRPOTrainer(GRPOTrainer):
         """Token ids of `prompts` as TRL renders them for generation (with the tools of each row's environment)."""
         if self.environment_factories is None:
             return self._tokenize_prompts(prompts)[0]
-        saved = getattr(self, "_batch_environments", None)  # TRL sets it per generation batch, before generating
-        self._batch_environments = [row.get("environment") if self._multi_environment else None for row in rows]
-        try:
+        # TRL sets `_batch_environments` per generation batch, before generating; here, for these rows
+        environments = [row.get("environment") if self._multi_environment else None for row in rows]
+        with swapped(self, _batch_environments=environments):
             return self._tokenize_prompts(prompts)[0]
-        finally:
-            self._batch_environments = saved
 
     @torch.no_grad()
     def _exgrpo_score_entropies(
@@ -630,25 +489,30 @@ class ExGRPOTrainer(GRPOTrainer):
             masks=masks,
         )
         for local in list(self._exgrpo_pending.rows):
-            record = self._exgrpo_row_record(batch, local)
-            if record is False:  # what the reward functions saw of it cannot be saved: not stored
+            try:
+                self._exgrpo_pending.rows[local].record = self._exgrpo_row_record(batch, local)
+            except (TypeError, ValueError) as e:  # what the reward functions saw of it cannot be saved: not stored
                 del self._exgrpo_pending.rows[local]
-            else:
-                self._exgrpo_pending.rows[local].record = record
+                if not self._exgrpo_record_warned:
+                    logger.warning(
+                        f"ExGRPO: a successful rollout is not stored: what its reward functions saw is not JSON ({e})"
+                    )
+                    self._exgrpo_record_warned = True
         self._exgrpo_add_row_keys(output, batch, self._exgrpo_pending)
         # generated after replay started (never with replay_ratio 0): no clip on fresh tokens
         if cfg.remove_clip_after_replay_start and collecting and cfg.replay_ratio > 0:
-            output["exgrpo_unclipped"] = torch.ones(
+            output[BatchKey.UNCLIPPED] = torch.ones(
                 len(batch.rows.inputs), dtype=torch.bool, device=outcome.solved.device
             )
         self._exgrpo_check_delayed_start(outcome)
         self._exgrpo_log_batch_metrics(batch, outcome, collecting)
 
-    def _exgrpo_row_record(self, batch: GenerationBatch, local: int) -> dict[str, Any] | None | bool:
+    def _exgrpo_row_record(self, batch: GenerationBatch, local: int) -> dict[str, Any] | None:
         """What the reward functions were given for this rank's row `local` beyond its token ids, for a replay to
         give them again without running a tool or an environment (`Trajectory.record`): the message list of a tool
         loop, environment-owned rewards, a rollout function's per-row fields, the prompt as an environment's reset()
-        completed it. None when there is nothing of the kind (single-turn training); False when it is not JSON."""
+        completed it. None when there is nothing of the kind (single-turn training); TypeError or ValueError when it
+        is not JSON."""
         record: dict[str, Any] = {}
         if self.tools:
             record["completion"] = batch.completions[local]
@@ -663,15 +527,7 @@ class ExGRPOTrainer(GRPOTrainer):
             record["prompt"] = batch.prompts[local]
         if not record:
             return None
-        try:  # a deep copy, in the form state.json saves it
-            return json.loads(json.dumps(record, allow_nan=False, default=_plain))
-        except (TypeError, ValueError) as e:
-            if not self._exgrpo_record_warned:
-                logger.warning(
-                    f"ExGRPO: a successful rollout is not stored: what its reward functions saw is not JSON ({e})"
-                )
-                self._exgrpo_record_warned = True
-            return False
+        return json.loads(json.dumps(record, allow_nan=False, default=_plain))  # a deep copy, as state.json saves it
 
     def _exgrpo_check_threshold(self, rewards: torch.Tensor, outcome: BatchOutcome) -> None:
         """Warn once per run when the success threshold does not separate this batch's rollouts (`threshold_mismatch`).
@@ -689,8 +545,8 @@ class ExGRPOTrainer(GRPOTrainer):
         """Per-row keys for the loss; TRL's shuffle and split of the batch carry them along with every row."""
         device = output["completion_ids"].device
         num_local = len(batch.rows.inputs)
-        output["exgrpo_row"] = torch.arange(num_local, device=device)
-        output["exgrpo_collect"] = torch.tensor([i in pending.rows for i in range(num_local)], device=device)
+        output[BatchKey.ROW] = torch.arange(num_local, device=device)
+        output[BatchKey.COLLECT] = torch.tensor([i in pending.rows for i in range(num_local)], device=device)
         if batch.plan is not None and batch.plan.with_trajectories:
             replay_rows = batch.rows.replay_rows
             behaviour = torch.zeros(output["completion_ids"].shape, dtype=torch.float32, device=device)  # (B, T)
@@ -698,8 +554,8 @@ class ExGRPOTrainer(GRPOTrainer):
                 if j >= 0:
                     logps = batch.plan.behaviour_logps[j]
                     behaviour[local, : logps.numel()] = logps.to(device)
-            output["exgrpo_replay_mask"] = torch.tensor([j >= 0 for j in replay_rows], device=device)
-            output["exgrpo_behaviour_logps"] = behaviour
+            output[BatchKey.REPLAY_MASK] = torch.tensor([j >= 0 for j in replay_rows], device=device)
+            output[BatchKey.BEHAVIOUR_LOGPS] = behaviour
 
     def _exgrpo_check_delayed_start(self, outcome: BatchOutcome) -> None:
         """Algorithm §7: judged on a purely on-policy batch, effective from the next generation batch; stays on."""
@@ -742,12 +598,7 @@ class ExGRPOTrainer(GRPOTrainer):
             return
         if not keep_pending:
             self._exgrpo_pending = None
-        trajectories = [
-            (pending.rows[local].global_row, pending.rows[local].key, ids, logps, mask, pending.rows[local].record)
-            for local, (ids, logps, mask) in pending.trajectories.items()
-        ]
-        pending.trajectories = {}
-        gathered = gather_object([(pending.groups, trajectories)])
+        gathered = gather_object([(pending.groups, pending.take_recorded())])
         commit(
             self.experience_buffer,
             gathered,
@@ -774,11 +625,8 @@ class ExGRPOTrainer(GRPOTrainer):
         # Rotation is ours (below): transformers orders checkpoints by folder time, and a checkpoint half-deleted by
         # a crash during rotation has the freshest time, so it was kept while complete ones were deleted.
         limit = self.args.save_total_limit
-        self.args.save_total_limit = None
-        try:
+        with swapped(self.args, save_total_limit=None):
             super()._save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit = limit
         if self.args.should_save:
             rotate_checkpoints(
                 run_dir,
@@ -823,33 +671,15 @@ class ExGRPOTrainer(GRPOTrainer):
         super()._load_optimizer_and_scheduler(checkpoint)  # under DeepSpeed it returns early; we still run
         if checkpoint is None:
             return
-        if not has_state(checkpoint):
-            logger.warning(
-                f"ExGRPO: {checkpoint} holds no ExGRPO state (a plain GRPO checkpoint?): training resumes with an "
-                "empty experience buffer and the delayed-start switch from the config."
-            )
-            return
-        meta = read_meta(checkpoint)
-        saved_k = meta["buffer"]["config"]["num_generations"]
-        if saved_k != self.num_generations:  # success buckets 1..K-1 and retirement at K/K depend on it
-            raise ValueError(
-                f"{checkpoint} was trained with num_generations={saved_k}, this run uses {self.num_generations}: its "
-                f"experience buffer's success counts do not carry over. Resume with num_generations={saved_k}, or "
-                "start a fresh run in another output_dir."
-            )
-        # The run's config wins over the saved sampling settings (the buffer keeps those it was built with).
-        changes = self.experience_buffer.config_changes(meta["buffer"]["config"])
-        if changes and self.accelerator.is_main_process:
-            names = {"mu": "replay_mu", "sigma": "replay_sigma"}
-            what = ", ".join(f"{names.get(n, n)} {old!r} -> {new!r}" for n, (old, new) in changes.items())
-            logger.warning(
-                f"ExGRPO: {checkpoint} was saved with other replay settings; this run's config is used ({what}). "
-                "The buffer's questions, trajectories and random state are restored as saved."
-            )
-        # Only the main process holds trajectories; the others need the retired set (for the sampler).
-        saved = load_state(
-            checkpoint, self.experience_buffer, with_trajectories=self.accelerator.is_main_process, meta=meta
+        saved = restore_state(
+            checkpoint,
+            self.experience_buffer,
+            num_generations=self.num_generations,
+            is_main_process=self.accelerator.is_main_process,
+            warn=logger.warning,
         )
+        if saved is None:
+            return
         self.exgrpo_state.update({k: v for k, v in saved.items() if k not in ("sampler", "sampler_passes")})
         if self._exgrpo_sampler is not None:
             # checkpoints before the sampler's state was saved hold the current epoch's passes only
@@ -871,15 +701,8 @@ class ExGRPOTrainer(GRPOTrainer):
     def _exgrpo_without_clip(self, active: bool):
         """Within the block TRL's clamp(r, 1 - epsilon_low, 1 + epsilon_high) is the identity, so the PPO-clipped
         loss types give -r * A on fresh tokens (`remove_clip_after_replay_start`); its clip metrics then read 0."""
-        if not active:
+        with swapped(self, epsilon_low=math.inf, epsilon_high=math.inf) if active else contextlib.nullcontext():
             yield
-            return
-        saved = self.epsilon_low, self.epsilon_high
-        self.epsilon_low = self.epsilon_high = math.inf
-        try:
-            yield
-        finally:
-            self.epsilon_low, self.epsilon_high = saved
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         logps, entropies, aux_loss = super()._get_per_token_logps_and_entropies(
@@ -891,17 +714,17 @@ class ExGRPOTrainer(GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         training = self.model.training
-        replay = training and "exgrpo_replay_mask" in inputs
+        replay = training and BatchKey.REPLAY_MASK in inputs
         pending = self._exgrpo_pending
-        collect_now = training and pending is not None and pending.micro_batches_left > 0 and "exgrpo_row" in inputs
-        unclipped = training and "exgrpo_unclipped" in inputs
+        collect_now = training and pending is not None and pending.micro_batches_left > 0 and BatchKey.ROW in inputs
+        unclipped = training and BatchKey.UNCLIPPED in inputs
         if not (replay or collect_now):
             with self._exgrpo_without_clip(unclipped):
                 return super()._compute_loss(model, inputs)
 
         inputs_for_trl = inputs
         if replay:
-            replay_mask = inputs["exgrpo_replay_mask"]  # (B,)
+            replay_mask = inputs[BatchKey.REPLAY_MASK]  # (B,)
             # Replayed rows add nothing to TRL's fresh-token loss but still count in its normaliser.
             inputs_for_trl = {**inputs, "advantages": inputs["advantages"].masked_fill(replay_mask, 0.0)}
         with self._exgrpo_capture_logps() as captured, self._exgrpo_without_clip(unclipped):
@@ -918,20 +741,22 @@ class ExGRPOTrainer(GRPOTrainer):
         pending = self._exgrpo_pending
         behaviour = inputs.get("old_per_token_logps")
         behaviour = per_token_logps.detach() if behaviour is None else behaviour  # (B, T)
-        rows = inputs["exgrpo_row"].tolist()
+        rows = inputs[BatchKey.ROW].tolist()
         tool_mask = inputs.get("tool_mask")  # (B, T): 0 where a tool or an environment inserted the token
-        for position in inputs["exgrpo_collect"].nonzero().flatten().tolist():
+        for position in inputs[BatchKey.COLLECT].nonzero().flatten().tolist():
             length = int(inputs["completion_mask"][position].sum())
             ids = inputs["completion_ids"][position, :length].tolist()
             mask = None if tool_mask is None else tool_mask[position, :length].tolist()
-            pending.trajectories[rows[position]] = (ids, behaviour[position, :length].float().cpu().tolist(), mask)
+            stored = pending.rows[rows[position]]
+            stored.completion_ids, stored.mask = ids, mask
+            stored.logps = behaviour[position, :length].float().cpu().tolist()
         pending.micro_batches_left -= 1
         if pending.micro_batches_left == 0:
             self._exgrpo_flush()
 
     def _exgrpo_replay_loss(self, inputs, per_token_logps: torch.Tensor) -> torch.Tensor:
         cfg: ExGRPOConfig = self.args
-        replay_mask = inputs["exgrpo_replay_mask"].unsqueeze(1)  # (B, 1)
+        replay_mask = inputs[BatchKey.REPLAY_MASK].unsqueeze(1)  # (B, 1)
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
@@ -939,7 +764,7 @@ class ExGRPOTrainer(GRPOTrainer):
         advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages  # (B, 1)
         per_token_loss, w, shaped = shaped_replay_token_loss(
             per_token_logps,
-            inputs["exgrpo_behaviour_logps"],
+            inputs[BatchKey.BEHAVIOUR_LOGPS],
             advantages,
             gamma=cfg.policy_shaping_gamma,
             importance_correction=cfg.replay_importance_correction,

@@ -25,7 +25,7 @@ By difficulty 2/3/4: mean 17.4/16.2/15.5.
 
 Two calibrated warm starts (`COUNTDOWN_WARM_START`, measured figures there): "medium" (2,000 supervised steps,
 held-out pass@1 about 0.40, .64/.37/.22 by difficulty) and "weak" (200 steps, about 0.09). Calibration:
-``python -m exgrpo_trl.tasks.countdown --cache-dir DIR --steps N [N ...]``.
+``python -m lab.countdown --cache-dir DIR --steps N [N ...]``.
 """
 
 from __future__ import annotations
@@ -41,15 +41,16 @@ from pathlib import Path
 
 from datasets import Dataset
 
-from .toy import (
+from exgrpo_trl.utils.tiny import (
     ALPHABET,
     EOS,
     SupervisedTask,
     _completion_text,
-    evaluate_pass_at_1,
     load_or_train_warm_start,
     warm_start_is_cached,
 )
+
+from .toy import evaluate_pass_at_1
 
 __all__ = [
     "MAX_EXPRESSION_CHARS",
@@ -464,30 +465,14 @@ def countdown_pool_splits(n_train: int, n_eval: int, *, cache_dir=None, seed: in
 COUNTDOWN_ALPHABET = ALPHABET + tuple("-*(),:")
 # Bump the name whenever the questions, answers or alphabet change: it keys the warm-start cache.
 COUNTDOWN_TASK = SupervisedTask(name="countdown-v1", alphabet=COUNTDOWN_ALPHABET, example=countdown_example)
-# The toy model of the addition task (cli/study.py TOY_MODEL): ~1.05M parameters, four heads of 32.
+# The toy model of the addition task (lab/study/tasks.py TOY_MODEL): ~1.05M parameters, four heads of 32.
 COUNTDOWN_MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=512)
 # The longest answer the task needs is 11 characters, plus <eos>; 16 leaves some room.
 COUNTDOWN_MAX_COMPLETION = 16
 
 
-# The two calibrated starts: supervised steps (seed 0; other settings as `toy.load_or_train_warm_start`'s defaults,
-# batch 128, lr 2e-3, 100 warm-up steps, model `COUNTDOWN_MODEL`). Measured with
-# ``python -m exgrpo_trl.tasks.countdown --steps ...``: held-out sampled pass@1 at temperature 1.0, 8 samples on 240
-# held-out questions (`countdown_splits(0, 240, seed=0)`), overall and by difficulty 2/3/4, then overall again on
-# another sampling seed and on another 240 held-out questions (the noise: about +-0.02). Times on 1 thread of the
-# shared 2-core machine under a load of 3-5 (0.6-1.0 s/step), so only a rough guide:
-#
-#   steps   time    pass@1  by difficulty   again   "wrong value" / "bad numbers" / "unparsable" among samples
-#     200   147 s   .086    .16/.06/.04     .10 .10      .71 / .14 / .06    <- weak
-#     300   290 s   .151    .25/.14/.07     .15 .12      .74 / .08 / .03
-#     600   448 s   .246    .41/.22/.11
-#    1000   554 s   .308    .51/.28/.15     .30 .28      .67 / .02 / .01
-#    2000  1174 s   .405    .64/.37/.22     .38 .37      .60 / .01 / .01    <- medium
-#
-# The weak start writes well-formed expressions over the given numbers but mostly misses the target. On the medium
-# start 147 of the 240 questions had 2-7 successes of 8 (41 none, 17 all); those had 4.1 correct samples and 2.56
-# distinct correct completions on average (2.44 and 2.47 on the other two evaluations): what trajectory
-# selection chooses among. The weak start: 44 such questions, 2.6 correct, 2.02 distinct.
+# The two calibrated starts, in supervised steps (seed 0; `load_or_train_warm_start`'s defaults: batch 128, lr 2e-3,
+# 100 warm-up steps; model `COUNTDOWN_MODEL`); how they were measured: docs/study.md, "Countdown's warm starts".
 COUNTDOWN_WARM_START = {"medium": 2000, "weak": 200}
 
 
@@ -552,7 +537,20 @@ def distinct_correct(dataset, completions: list[list[str]], *, min_correct: int 
 
 
 # --------------------------------------------------------------------------------------------------------------
-# python -m exgrpo_trl.tasks.countdown --cache-dir DIR --steps N [N ...]: the calibration of the warm starts
+def never_solved_shares(model, tokenizer, dataset, *, samples: int, seed: int, within=(8, 16)) -> dict:
+    """How hard `dataset` is for `model`: sampled pass@1, and the share of questions none of the first n samples
+    solved, for each n of `within` and for all `samples` (what a GRPO run drawing each question a few times, K rollouts
+    a draw, would leave unsolved if the model did not learn)."""
+    result = evaluate_countdown(model, tokenizer, dataset, samples=samples, seed=seed, progress=False)
+    solved = [
+        countdown_reward(texts, [row["numbers"]] * len(texts), [row["target"]] * len(texts))
+        for row, texts in zip(dataset, result["completions"])
+    ]
+    shares = {n: sum(1 for r in solved if not any(r[:n])) / len(solved) for n in (*within, samples)}
+    return {"pass_at_1": result["overall"], "never_solved_within": shares}
+
+
+# python -m lab.countdown --cache-dir DIR --steps N [N ...]: the calibration of the warm starts
 # --------------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     import argparse
@@ -562,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     parser = argparse.ArgumentParser(
-        prog="python -m exgrpo_trl.tasks.countdown",
+        prog="python -m lab.countdown",
         description="Warm-start countdown models (cached) and print held-out sampled pass@1, one JSON line each.",
     )
     parser.add_argument("--cache-dir", required=True)
@@ -572,9 +570,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument(
+        "--pool-probe",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: N random questions of the study's 16,000-question training pool (seed 100), --samples each, "
+        "and the share none of the first 8, 16 and all samples solved (how the hard point's start was chosen)",
+    )
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    if args.pool_probe:
+        pool = countdown_pool_splits(POOL_TRAIN_QUESTIONS, 1000, cache_dir=args.cache_dir, seed=0)[0]
+        probe = pool.select(sorted(random.Random(100).sample(range(len(pool)), args.pool_probe)))
+        for steps in args.steps:
+            model, tokenizer = countdown_warm_start(args.cache_dir, steps, seed=args.seed, progress=False)
+            found = never_solved_shares(model, tokenizer, probe, samples=args.samples, seed=100)
+            shares = {str(n): round(v, 4) for n, v in found["never_solved_within"].items()}
+            line = {"steps": steps, "pass_at_1": round(found["pass_at_1"], 4), "never_solved_within": shares}
+            print(json.dumps(line), flush=True)
+        return 0
     eval_set = countdown_splits(0, args.eval_questions, seed=0)[1]
     for steps in args.steps:
         model, tokenizer = countdown_warm_start(args.cache_dir, steps, seed=args.seed, progress=not args.no_progress)

@@ -1,6 +1,6 @@
-"""`exgrpo demo`: GRPO and ExGRPO side by side on a toy verifiable task, on a CPU, in minutes.
+"""`python -m lab.demo` (`make demo`): GRPO and ExGRPO side by side on a toy verifiable task, on a CPU, in minutes.
 
-The demo is one seed of the study (`exgrpo study`; the README's section on what ExGRPO buys over GRPO): the same
+The demo is one seed of the study (`python -m lab.study`; the README's section on what ExGRPO buys over GRPO): the same
 task, settings and code (`study.run_one`), so its figures can be read against the study's table. Phases:
 1. the task's supervised warm start (a ~1M-parameter Qwen2-shaped model and a char tokenizer, built locally), trained
    once and cached under `--cache-dir`;
@@ -23,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..utils.requirements import MissingDependency, require
+from exgrpo_trl.utils.requirements import MissingDependency, require
+
 from . import study
 from .study import fmt
 
@@ -38,9 +39,9 @@ LABELS = {"grpo": "GRPO (TRL GRPOTrainer)", "exgrpo": "ExGRPO (ExGRPOTrainer)"}
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="exgrpo demo",
+        prog="python -m lab.demo",
         description="GRPO and ExGRPO side by side on a toy verifiable task with a tiny local model, on a CPU: one "
-        "seed of `exgrpo study`. Prints the comparison and writes OUT/results.json and OUT/figure.png.",
+        "seed of `python -m lab.study`. Prints the comparison and writes OUT/results.json and OUT/figure.png.",
     )
     p.add_argument(
         "--task",
@@ -135,7 +136,7 @@ def _study_context(results: Path, task: str) -> dict | None:
 
 
 def sweep_lines(results: Path) -> list[str]:
-    """The study's step-size sweep (`sweep.json`, written by `exgrpo study`), one line a step size: ExGRPO minus
+    """The study's step-size sweep (`sweep.json`, written by `python -m lab.study`), one line a step size: ExGRPO minus
     GRPO in final held-out pass@1, paired by seed; empty when the study has no sweep."""
     path = results / "sweep.json"
     if not path.is_file():
@@ -146,9 +147,9 @@ def sweep_lines(results: Path) -> list[str]:
         return []
     lines = ["", f"The study across step sizes (learning rate / questions per update; {path}):"]
     for p in points:
-        d = p["final_difference"]
+        d = p["final_updates"]
         lines.append(
-            f"  {p['step_size']:.1e}  {p['task']:<26} ExGRPO - GRPO final {d['median']:+.3f} "
+            f"  {p['step_size']:.1e}  {p['task']:<26} ExGRPO - GRPO final, equal updates {d['median']:+.3f} "
             f"[{d['min']:+.3f}, {d['max']:+.3f}] over {d['seeds']} paired seed{'s' if d['seeds'] != 1 else ''}"
         )
     noise = payload.get("estimate_noise")
@@ -293,27 +294,27 @@ def figure(task: study.Task, records: dict[str, dict], c: dict, path: Path) -> N
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:  # the figure is drawn after minutes of training
-        require("matplotlib", "exgrpo demo")
+        require("matplotlib", "make demo")
     except MissingDependency as e:
-        print(f"exgrpo demo: error: {e}", file=sys.stderr)
+        print(f"demo: error: {e}", file=sys.stderr)
         return 1
     overrides = {"steps": args.steps} if args.steps else {}
-    tasks = study._tasks(args.quick, overrides)
+    tasks = study.build_tasks(args.quick, overrides)
     task = tasks[args.task]
     runs_dir = args.out / "runs"
     keys = [(task.name, arm, args.seed) for arm in ARMS]
     for key in keys:  # the demo trains afresh every time
         study.run_path(runs_dir, *key).unlink(missing_ok=True)
     print(
-        f"exgrpo demo: {task.name} ({task.description}); seed {args.seed}, {task.steps} steps of "
+        f"demo: {task.name} ({task.description}); seed {args.seed}, {task.steps} steps of "
         f"{task.prompts_per_step} questions x {task.num_generations} rollouts, lr {task.learning_rate:g}, held-out "
         f"pass@1 every {task.eval_every} steps",
         flush=True,
     )
     import torch
 
-    from ..utils.quiet import quiet
-    from ..utils.threads import default_cpu_threads
+    from exgrpo_trl.utils.quiet import quiet
+    from exgrpo_trl.utils.threads import default_cpu_threads
 
     # The warm start runs here, the two arms in one-thread processes: one thread here too, as a busy machine would
     # otherwise slow it down 5-17 times (utils/threads.py).
@@ -337,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     with quiet():
         failures = study.run_missing(child, tasks, keys, step_bars={key: LABELS[key[1]] for key in keys})
     for failure in failures:
-        print(f"exgrpo demo: {failure}", file=sys.stderr)
+        print(f"demo: {failure}", file=sys.stderr)
     if failures:
         return 1
     records = {arm: json.loads(study.run_path(runs_dir, *key).read_text()) for arm, key in zip(ARMS, keys)}

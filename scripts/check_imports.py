@@ -6,11 +6,13 @@ Layers, bottom to top (a module may import its own layer and the layers below it
 
     algorithm   exgrpo_trl/*.py         config, buffer, replay, loss, scoring, state, card, trainer
     utils       exgrpo_trl/utils/       helpers the applications share (tokenizer loading, Hub push, plots)
-    tasks       exgrpo_trl/tasks/       training data and rewards: math, the toy tasks
+    tasks       exgrpo_trl/tasks/       training data and rewards (math)
     eval        exgrpo_trl/eval/        benchmarks, grading, generators, reports, the in-training callback
     cli         exgrpo_trl/cli/         the `exgrpo` command and its subcommands
 
-Also: the pure modules (`PURE`) import no trl, transformers or accelerate, directly or through the package.
+Also: the pure modules (`PURE`) import no trl, transformers or accelerate, directly or through the package; and the
+package never imports the lab (`lab/`: the study, the toy tasks, the demo) or the repository's other folders
+(`OUTSIDE`), which the wheel does not ship.
 Every import statement counts, those inside functions too. Only the standard library is used.
 """
 
@@ -21,8 +23,9 @@ import sys
 from pathlib import Path
 
 LAYERS = ("algorithm", "utils", "tasks", "eval", "cli")
-PURE = ("exgrpo_trl.buffer", "exgrpo_trl.replay")
+PURE = ("exgrpo_trl.buffer", "exgrpo_trl.replay", "exgrpo_trl.sampler")
 FRAMEWORKS = ("trl", "transformers", "accelerate")
+OUTSIDE = ("lab", "tests", "benchmarks", "scripts")  # the repository's folders beside the package
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -120,6 +123,9 @@ def check(package_dir: Path) -> tuple[list[str], dict[str, set[str]]]:
                 problems.append(
                     f"{module} ({layer_of(module)}) imports {target} ({layer_of(target)}): imports go down the layers"
                 )
+    for module in sorted(outside):
+        for name in sorted(outside[module] & set(OUTSIDE)):
+            problems.append(f"{module} imports {name}: the package never imports the repository's {name}/ folder")
     for pure in PURE:
         reached, todo = set(), [pure]
         while todo:

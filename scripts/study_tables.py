@@ -3,13 +3,21 @@
     python scripts/study_tables.py           # rewrite the marked tables from results.md
     python scripts/study_tables.py --check   # exit 1, naming the file and table, when one is out of date
 
-`exgrpo study` writes results.md from the saved runs; the pages hold copies of its tables between the markers
+`python -m lab.study` writes results.md from the saved runs; the pages hold copies of its tables between the markers
 ``<!-- study:NAME -->`` and ``<!-- /study:NAME -->`` (invisible in the rendered page), NAME one of:
 
     sweep          the step-size sweep (ExGRPO minus GRPO, paired by seed)       docs/study.md
-    sweep-short    its columns setting, step size, updates, differences, seeds   README.md
+    sweep-short    its columns setting, step size, final differences, seeds      README.md
+    difficulty     the difficulty axis at the paper's step                       docs/study.md
+    difficulty-short  its columns setting, never solved, final differences, seeds  README.md
+    arm-pairs      the arms paired by seed at the paper-shaped point             docs/study.md
+    hard-pairs     the same at the hard point                                    docs/study.md
+    hard-diagnostics  what the hard point's generation batches were made of      docs/study.md
     regimes        the paper's run beside each setting                           docs/study.md
     paper-point    every arm at the paper-shaped point                           docs/study.md
+    hard-point     every arm at the hard point                                   docs/study.md
+
+A table whose runs are not in yet (the hard point's, while its runs train) is copied as one line saying so.
 
 Only the standard library is used.
 """
@@ -22,14 +30,28 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "study" / "results.md"
-PAPER_POINT = "countdown-paper-lr2.5e-5"  # exgrpo_trl.cli.study.PAPER_POINT (tests check they agree)
+PAPER_POINT = "countdown-paper-lr2.5e-5"  # lab.study.PAPER_POINT (tests check they agree)
+HARD_POINT = "countdown-hard"  # lab.study.HARD_POINT
 HEADINGS = {
     "sweep": "### Step-size sweep",
+    "difficulty": "### Difficulty at the paper's step",
+    "arm-pairs": f"### Arms paired by seed at {PAPER_POINT} ",
+    "hard-pairs": f"### Arms paired by seed at {HARD_POINT} ",
+    "hard-diagnostics": f"### Diagnostics at {HARD_POINT}:",
     "regimes": "### Regimes",
     "paper-point": f"### {PAPER_POINT}:",
+    "hard-point": f"### {HARD_POINT}:",
 }
-PAGES = {"docs/study.md": ("sweep", "regimes", "paper-point"), "README.md": ("sweep-short",)}
-SHORT = (0, 1, 3, 6, 7, 8)  # of the sweep table's columns: the README's front page keeps it under 1,000 words
+OPTIONAL = ("hard-pairs", "hard-diagnostics", "hard-point")  # their runs may not be in yet
+NOT_YET = "_Not in yet: its runs are training._"
+PAGES = {
+    "docs/study.md": ("sweep", "difficulty", "arm-pairs", "hard-pairs", "hard-diagnostics", "regimes", "paper-point",
+                      "hard-point"),
+    "README.md": ("sweep-short", "difficulty-short"),
+}  # fmt: skip
+# of the sweep's and the difficulty table's columns: the README's front page keeps them under 1,000 words
+SHORT = (0, 1, 6, 7, 10)
+DIFFICULTY_SHORT = (0, 1, 5, 6, 9)
 
 
 def columns(table: str, keep: tuple[int, ...]) -> str:
@@ -48,7 +70,7 @@ def table_after(report: str, heading: str) -> str:
     """The first markdown table after `heading` in results.md."""
     start = report.find(heading)
     if start < 0:
-        raise SystemExit(f"study_tables: {RESULTS.name} has no section {heading!r} (run `exgrpo study` first)")
+        raise SystemExit(f"study_tables: {RESULTS.name} has no section {heading!r} (run `python -m lab.study` first)")
     section = report[start:]
     return section[section.index("\n| ") + 1 :].split("\n\n")[0].rstrip("\n")
 
@@ -66,8 +88,12 @@ def refresh(page: str, tables: dict[str, str], names: tuple[str, ...], where: st
 def main(argv: list[str]) -> int:
     check = "--check" in argv
     report = RESULTS.read_text()
-    tables = {name: table_after(report, heading) for name, heading in HEADINGS.items()}
+    tables = {
+        name: table_after(report, heading) if name not in OPTIONAL or heading in report else NOT_YET
+        for name, heading in HEADINGS.items()
+    }
     tables["sweep-short"] = columns(tables["sweep"], SHORT)
+    tables["difficulty-short"] = columns(tables["difficulty"], DIFFICULTY_SHORT)
     stale = []
     for rel, names in PAGES.items():
         path = ROOT / rel

@@ -1,4 +1,4 @@
-"""`exgrpo` command line: `exgrpo demo`, `exgrpo train`, ... Each subcommand lives in its own module."""
+"""`exgrpo` command line: `exgrpo train`, `exgrpo eval`, `exgrpo inspect`. Each subcommand lives in its own module."""
 
 from __future__ import annotations
 
@@ -10,18 +10,14 @@ from ..utils.requirements import MissingDependency, require
 
 # subcommand -> (module, one-line help). Modules are imported only when their subcommand runs.
 SUBCOMMANDS = {
-    "demo": ("exgrpo_trl.cli.demo", "ExGRPO vs GRPO side by side on a toy task, on a CPU, in minutes"),
     "train": ("exgrpo_trl.cli.train", "train from a YAML recipe (TrlParser; CLI flags override the recipe)"),
     "inspect": ("exgrpo_trl.cli.inspect", "summarise the experience buffer saved in a checkpoint (--plot FILE.png)"),
-    "study": ("exgrpo_trl.cli.study", "GRPO vs ExGRPO and ablations on the toy tasks, over seeds, resumable"),
     "eval": ("exgrpo_trl.cli.evaluate", "the paper's benchmarks (avg@k), results.json + a table beside the paper's"),
 }
 
 # What a subcommand needs beyond the core dependencies, checked before its module is even imported: (import name,
-# the options that need it; None: the command always does). demo and study write a figure at the end of their runs.
+# the options that need it; None: the command always does).
 REQUIRES = {
-    "demo": [("matplotlib", None)],
-    "study": [("matplotlib", None)],
     "inspect": [("matplotlib", ("--plot",))],
     "eval": [("vllm", ("--backend vllm",))],
 }

@@ -4,9 +4,11 @@
   mathematically equal to the reference answer according to math-verify, else 0.0. No format bonus. A completion
   without ``</think>`` has no answer section and scores 0 (``MathVerifier(require_think_end=False)`` scores its whole
   text instead). The reference answer is parsed as ``$answer$``, as LUFFY's evaluation script does.
-- ``toy_addition``: exact match for the toy addition task (`exgrpo_trl.tasks.toy.addition_reward`).
+- ``toy_addition``: exact match for the toy addition task of the tiny CPU kit
+  (`exgrpo_trl.utils.tiny.addition_reward`).
 
-Any other ``module:function`` path is imported as is, so a recipe can use a reward function of its own.
+Any other ``module:function`` path is imported as is, so a recipe can use a reward function of its own: the module is
+looked up where Python looks, then in the current folder (``reward_funcs: [myrewards:fn]`` finds ``./myrewards.py``).
 
 Timeouts. math-verify's own ``parsing_timeout`` / ``timeout_seconds`` use ``signal.alarm``, which exists only on the
 main thread (elsewhere math-verify raises ``ValueError``) and counts whole seconds per comparison. We therefore call
@@ -370,7 +372,7 @@ def math_reward(completions: Sequence[Any], answer: Sequence[Any] | None = None,
 # name -> "module:function", imported on first use (the toy reward pulls in torch; math_verify pulls in sympy).
 REWARD_FUNCS: dict[str, str] = {
     "math_verify": "exgrpo_trl.tasks.rewards:math_reward",
-    "toy_addition": "exgrpo_trl.tasks.toy:addition_reward",
+    "toy_addition": "exgrpo_trl.utils.tiny:addition_reward",
 }
 
 
@@ -382,6 +384,8 @@ def get_reward_func(name: str) -> Callable:
         raise ValueError(
             f"unknown reward function {name!r}: use one of {sorted(REWARD_FUNCS)} or a 'module:function' path."
         )
+    if os.getcwd() not in sys.path and "" not in sys.path:  # the current folder, after everything installed
+        sys.path.append(os.getcwd())
     try:
         func = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:

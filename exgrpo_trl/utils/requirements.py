@@ -33,7 +33,7 @@ def missing(module: str) -> bool:
 
 
 def require(module: str, what: str) -> None:
-    """Raise `MissingDependency` when `module` cannot be imported. `what` names who needs it (``exgrpo demo``,
+    """Raise `MissingDependency` when `module` cannot be imported. `what` names who needs it (``exgrpo eval``,
     ``--plot``, ``use_vllm``) and starts the message."""
     if not missing(module):
         return

@@ -132,7 +132,7 @@ def test_ablation_values_accepted(tmp_path):
     ],
 )
 def test_non_finite_and_non_integer_values_rejected(tmp_path, kwargs, message):
-    """Values that used to be accepted and then trained wrongly without a word (issue 16)."""
+    """Values that used to be accepted and then trained wrongly without a word."""
     with pytest.raises(ValueError) as info:
         make(tmp_path, **kwargs)
     assert str(info.value) == message

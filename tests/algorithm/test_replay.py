@@ -11,7 +11,7 @@ from exgrpo_trl.replay import (
     GroupOutcome,
     ReplayPlan,
     ReplayQuestion,
-    SkipRetiredSampler,
+    StoredRow,
     assign_rows,
     batch_outcome,
     collect,
@@ -20,6 +20,7 @@ from exgrpo_trl.replay import (
     replay_count,
     select_lowest,
 )
+from exgrpo_trl.sampler import SkipRetiredSampler
 
 EOS = 1
 
@@ -172,7 +173,7 @@ def test_collect_stores_solved_untruncated_fresh_rows_of_mixed_groups():
         0: (0, question_key("p0")),
         9: (9, question_key("p2")),
     }
-    assert pending.micro_batches_left == 2 and pending.step == 7 and pending.trajectories == {}
+    assert pending.micro_batches_left == 2 and pending.step == 7 and pending.take_recorded() == []
     # before the delayed start: groups are reported (retirement works from step 1) but nothing is kept or stored
     off = collect(
         rows,
@@ -211,10 +212,10 @@ def test_collect_reports_a_group_on_the_rank_holding_its_first_row():
 
 def test_commit_applies_every_rank_in_global_row_order():
     k = 4
-    rank1 = ([GroupOutcome(1, "b", 1, {"prompt": "b"})], [(5, "b", [9, EOS], [-0.5, -0.25])])
+    rank1 = ([GroupOutcome(1, "b", 1, {"prompt": "b"})], [StoredRow(5, "b", None, [9, EOS], [-0.5, -0.25])])
     rank0 = (
         [GroupOutcome(0, "a", 2, {"prompt": "a"}), GroupOutcome(2, "c", 4, None)],
-        [(3, "a", [8, EOS], [-1.0, -0.5]), (1, "a", [7, EOS], [-0.25, -0.125])],
+        [StoredRow(3, "a", None, [8, EOS], [-1.0, -0.5]), StoredRow(1, "a", None, [7, EOS], [-0.25, -0.125])],
     )
     main = ExperienceBuffer(k, seed=0)
     commit(main, [rank1, rank0], step=3, is_main_process=True, k=k)

@@ -6,8 +6,7 @@ import torch
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import Trajectory, question_key
-
-from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +97,7 @@ def test_candidate_cap_scores_the_shortlist(trainer, tokenizer, cap, selection, 
     expected = kept[int(pick([entropies[i] for i in kept]))]
     scored = []
     score = trainer._exgrpo_score_entropies
-    monkeypatch.setattr(trainer, "_exgrpo_score_entropies", lambda p, c: scored.append(c) or score(p, c))
+    monkeypatch.setattr(trainer, "_exgrpo_score_entropies", lambda p, c, m=None: scored.append(c) or score(p, c, m))
 
     monkeypatch.setattr(trainer.args, "max_trajectory_candidates", cap)
     monkeypatch.setattr(trainer.args, "trajectory_selection", selection)
@@ -140,7 +139,8 @@ def test_random_selection_ignores_the_cap(trainer, tokenizer, monkeypatch):
     trainer.exgrpo_state["replay_active"] = True
     asked = []
     monkeypatch.setattr(buffer, "choose_random", lambda n: asked.append(n) or n - 2)
-    monkeypatch.setattr(trainer, "_exgrpo_score_entropies", lambda p, c: pytest.fail("random selection scored"))
+    never = lambda p, c, m=None: pytest.fail("random selection scored")  # noqa: E731
+    monkeypatch.setattr(trainer, "_exgrpo_score_entropies", never)
     plan = trainer._exgrpo_make_plan(num_local=32)
     assert asked == [5]  # drawn over all 5 stored trajectories, not over a shortlist of 1
     assert plan.completion_ids == [candidates[3]]  # index n - 2 = 3

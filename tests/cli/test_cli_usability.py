@@ -1,4 +1,4 @@
-"""What a new user of the `exgrpo` command meets first (issue 25): `--version`, a fast `exgrpo train --help`, errors
+"""What a new user of the `exgrpo` command meets first: `--version`, a fast `exgrpo train --help`, errors
 that name the cause before any work (no recipe, an output_dir that is a file or cannot be written, a missing
 optional package), a reward function that raises reported in one line, Ctrl-C reported in one line with how to go
 on, and no transformers deprecation warning for an option nobody set."""
@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from exgrpo_trl.cli import main
-
-from .conftest import ROOT, TINY_RECIPE, toy_recipe_args
+from tests.helpers import ROOT, TINY_RECIPE, toy_recipe_args
 
 ENV = {
     **os.environ,
@@ -146,7 +145,7 @@ def test_unwritable_output_dir_fails_before_the_model_loads(toy_dir, tmp_path, c
 def test_a_reward_function_that_raises_is_one_line(toy_dir, tmp_path, capsys):
     """It printed TRL's 50-line traceback; the line names the function and its exception, --debug shows the rest."""
     argv = _train_args(
-        toy_dir, tmp_path / "out", "--max_steps", "1", "--reward_funcs", "tests.cli_rewards:broken_reward"
+        toy_dir, tmp_path / "out", "--max_steps", "1", "--reward_funcs", "tests.support.cli_rewards:broken_reward"
     )
     assert main(argv) == 1
     err = capsys.readouterr().err
@@ -189,7 +188,7 @@ def test_ctrl_c_is_one_line_and_rerunning_resumes(toy_dir, tmp_path):
         *_exgrpo(),
         *_train_args(toy_dir, out, "--max_steps", "4", "--save_steps", "1"),
         "--reward_funcs",
-        "tests.cli_rewards:interrupting_reward",
+        "tests.support.cli_rewards:interrupting_reward",
     ]
     run = subprocess.run(
         argv, env={**ENV, "EXGRPO_TEST_INTERRUPT_AT": "3"}, capture_output=True, text=True, timeout=300
@@ -254,12 +253,6 @@ def test_math_reward_scores_a_correct_answer():
     [
         (
             "matplotlib",
-            ["demo", "--quick", "--out", "demo-out"],
-            "exgrpo demo: error: exgrpo demo needs matplotlib, which is not installed: pip install "
-            "'exgrpo-trl[demo]' (or pip install matplotlib)",
-        ),
-        (
-            "matplotlib",
             ["inspect", "nowhere/checkpoint-1", "--plot=buffer.png"],
             "exgrpo inspect: error: exgrpo inspect --plot needs matplotlib, which is not installed: pip install "
             "'exgrpo-trl[demo]' (or pip install matplotlib)",
@@ -277,11 +270,11 @@ def test_math_reward_scores_a_correct_answer():
             "'exgrpo-trl[vllm]' (or pip install vllm)",
         ),
     ],
-    ids=["demo", "inspect-plot", "eval", "eval-vllm"],
+    ids=["inspect-plot", "eval", "eval-vllm"],
 )
 def test_a_missing_optional_package_stops_the_command_at_once(tmp_path, hidden, argv, message):
-    """Checked before any work: `exgrpo demo` without matplotlib trained both arms for minutes, then died on
-    ModuleNotFoundError without printing its report."""
+    """Checked before any work: a command that needs an optional package names it in one line, before it imports
+    anything heavy or writes anything."""
     start = time.perf_counter()
     run = _without({hidden}, f"from exgrpo_trl.cli import main; sys.exit(main({argv!r}))", tmp_path)
     assert run.returncode == 1 and run.stderr.splitlines() == [message], run.stderr[-3000:]
@@ -304,7 +297,7 @@ def two_threads(monkeypatch):
 def test_toy_warm_start_runs_on_one_thread(tmp_path, monkeypatch, two_threads):
     """On a busy 2-core machine 2 threads made the warm start 5-17 times slower (docs/performance.md); one thread
     unless OMP_NUM_THREADS or --threads says otherwise."""
-    from exgrpo_trl.tasks import toy
+    from exgrpo_trl.utils import tiny as toy
 
     argv = [
         "--out",
@@ -327,7 +320,7 @@ def test_demo_warm_start_runs_on_one_thread(tmp_path, monkeypatch, two_threads):
     """The demo's warm start runs in its own process before the two one-thread arms: one thread there too."""
     from types import SimpleNamespace
 
-    from exgrpo_trl.cli import demo, study
+    from lab import demo, study
 
     seen = []
 
@@ -349,7 +342,7 @@ def test_demo_warm_start_runs_on_one_thread(tmp_path, monkeypatch, two_threads):
         warm_start_steps=1,
         load=load,
     )
-    monkeypatch.setattr(study, "_tasks", lambda quick, overrides: {"countdown-weak": task})
+    monkeypatch.setattr(study, "build_tasks", lambda quick, overrides: {"countdown-weak": task})
     with pytest.raises(Stop):
         demo.main(["--out", str(tmp_path / "demo"), "--no-progress"])
     assert seen == [1]
@@ -363,7 +356,7 @@ def test_demo_warm_start_runs_on_one_thread(tmp_path, monkeypatch, two_threads):
             "use_vllm: true needs vllm, which is not installed: pip install 'exgrpo-trl[vllm]' (or pip install vllm)",
         ),
         (
-            ["--deepspeed", str(ROOT / "tests" / "mp" / "ds_zero3.json")],
+            ["--deepspeed", str(ROOT / "tests" / "multiprocess" / "ds_zero3.json")],
             "deepspeed (a DeepSpeed config) needs deepspeed, which is not installed: pip install "
             "'exgrpo-trl[deepspeed]' (or pip install deepspeed)",
         ),

@@ -18,7 +18,7 @@ from exgrpo_trl.tasks.math_data import (
     to_math_prompts,
 )
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 OPENR1_SAMPLE = DATA / "openr1_math_46k_sample.jsonl"
 QA_SAMPLE = DATA / "qa_sample.jsonl"
 

@@ -32,7 +32,7 @@ from exgrpo_trl.eval import (
 )
 from exgrpo_trl.tasks.math_data import LUFFY_SYSTEM_PROMPT, load_raw_dataset, luffy_messages
 
-DATA = Path(__file__).parent / "data" / "eval"
+DATA = Path(__file__).parents[1] / "data" / "eval"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -570,7 +570,7 @@ def test_eval_subcommand_is_registered(capsys):
 # In-training validation
 # ---------------------------------------------------------------------------------------------------------------
 def _toy_validation_set(n: int = 4) -> LoadedBenchmark:
-    from exgrpo_trl.tasks.toy import addition_dataset
+    from exgrpo_trl.utils.tiny import addition_dataset
 
     rows = addition_dataset(n, max_digits=2, seed=5)
     questions = [EvalQuestion(str(i), p, [a]) for i, (p, a) in enumerate(zip(rows["prompt"], rows["answer"]))]
@@ -580,8 +580,7 @@ def _toy_validation_set(n: int = 4) -> LoadedBenchmark:
 def _train(tmp_path, tokenizer, validate: bool):
     from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
     from exgrpo_trl.eval.callback import ValidationCallback
-
-    from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
+    from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
 
     args = ExGRPOConfig(**config_kwargs(tmp_path, max_steps=4, replay_start_pass_rate=0.0))
     trainer = ExGRPOTrainer(
@@ -669,7 +668,7 @@ def test_validation_scores_are_the_graders(tmp_path, tokenizer, monkeypatch):
     monkeypatch.setattr(callbacks, "TransformersGenerator", Scripted)
     from accelerate import Accelerator
 
-    from .conftest import make_model
+    from tests.helpers import make_model
 
     model = make_model(tokenizer)
     model.gradient_checkpointing_enable()
@@ -698,14 +697,14 @@ def test_validation_scores_are_the_graders(tmp_path, tokenizer, monkeypatch):
 def test_train_script_wires_validation(tmp_path):
     """`exgrpo train` with validation_dataset: eval/<name>/accuracy lands in trainer_state.json every N steps."""
     from exgrpo_trl.cli.train import parse_args, train
-    from exgrpo_trl.tasks.toy import addition_splits, build_tiny_model_dir
+    from exgrpo_trl.utils.tiny import addition_splits, build_tiny_model_dir
 
     toy = tmp_path / "toy"
     build_tiny_model_dir(toy)
     train_set, eval_set = addition_splits(32, 4, seed=0)
     train_set.to_json(str(toy / "train.jsonl"))
     eval_set.to_json(str(toy / "eval.jsonl"))
-    tiny = Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu.yaml"
+    tiny = Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml"
     out = tmp_path / "out"
     script_args, training_args, model_args = parse_args(
         [

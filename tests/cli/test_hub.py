@@ -1,10 +1,10 @@
 """Hub push of a trained model: the full model, a LoRA adapter alone, and the adapter merged into its base model.
 
-The Hub cannot be reached from here. Everything runs for real (training, `Trainer.push_to_hub`, saving, the model
-card, the choice of files and patterns) except the two HTTP calls at the end: `HfApi.create_repo` and
-`HfApi.upload_folder` are replaced by the local stand-in in `tests/hub_stand_in.py`, which records the files the real
-`upload_folder` would commit (selected with huggingface_hub's own filter and default ignore patterns) and the call's
-arguments. The tests then read what would have been uploaded: file names, weights (loaded back), and the card.
+The Hub cannot be reached from here. Everything runs for real (training, `Trainer.push_to_hub`, saving, the model card,
+the choice of files and patterns) except the two HTTP calls at the end: `HfApi.create_repo` and `HfApi.upload_folder`
+are replaced by the local stand-in in `tests/support/hub_stand_in.py`, which records the files the real `upload_folder`
+would commit (selected with huggingface_hub's own filter and default ignore patterns) and the call's arguments. The
+tests then read what would have been uploaded: file names, weights (loaded back), and the card.
 """
 
 from __future__ import annotations
@@ -23,24 +23,16 @@ from transformers import AutoModelForCausalLM
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.utils.hub import ADAPTER_FILES, push_trained_model
-
-from . import hub_stand_in
-from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.support import hub_stand_in
 
 LORA_R, LORA_ALPHA = 4, 8  # scaling alpha / r = 2
 LORA_TARGETS = ("q_proj", "v_proj")
 SECTION = "## ExGRPO training"
-TINY_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu.yaml"
+TINY_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny_cpu.yaml"
 BUFFER_LINE = re.compile(
     r"Experience buffer at the end of training: (\d+) questions, (\d+) trajectories, (\d+) retired"
 )
-EOS_ID = 1  # of the char tokenizer (exgrpo_trl.tasks.toy: <pad>, <eos>, <bos>, <unk>, then the alphabet)
-
-
-def short_completion_reward(completion_ids, **kwargs):
-    """Solved when the completion ends within 6 tokens: about half of an untrained model's rollouts (conftest's
-    synthetic reward), so the advantages are not all 0 and the adapter moves away from the identity."""
-    return [1.0 if EOS_ID in ids and len(ids) <= 6 else 0.0 for ids in completion_ids]
 
 
 @pytest.fixture
@@ -221,7 +213,7 @@ def test_train_cli_rejects_merge_without_peft(tmp_path):
 
 def test_train_cli_pushes_merged_lora(tmp_path, hub):
     from exgrpo_trl.cli import train as train_module
-    from exgrpo_trl.tasks.toy import addition_splits, build_tiny_model_dir
+    from exgrpo_trl.utils.tiny import addition_splits, build_tiny_model_dir
 
     toy = tmp_path / "toy"
     build_tiny_model_dir(toy, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)
@@ -232,7 +224,7 @@ def test_train_cli_pushes_merged_lora(tmp_path, hub):
         "--output_dir", str(out), "--max_steps", "1", "--save_strategy", "no", "--logging_steps", "1",
         "--per_device_train_batch_size", "16", "--generation_batch_size", "16",
         "--use_peft", "true", "--lora_r", "4", "--lora_alpha", "8", "--learning_rate", "1e-2",
-        "--reward_funcs", "tests.test_hub:short_completion_reward",
+        "--reward_funcs", "tests.support.cli_rewards:short_completion_reward",
         "--push_to_hub", "true", "--hub_model_id", "tester/tiny-cli-merged", "--merge_adapter_on_push", "true",
     ]  # fmt: skip
     assert train_module.main(argv) == 0

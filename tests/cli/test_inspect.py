@@ -12,8 +12,7 @@ from exgrpo_trl import cli
 from exgrpo_trl.buffer import ExperienceBuffer, Trajectory
 from exgrpo_trl.cli.inspect import main, plot, summarize
 from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, save_state
-
-from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
 
 
 def _traj(length, step):

@@ -14,8 +14,7 @@ from huggingface_hub import ModelCard
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import ExperienceBuffer
 from exgrpo_trl.card import SECTION_TITLE, add_section, exgrpo_card_section
-
-from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
 
 TITLE = "ExGRPO: Learning to Reason from Experience"
 BUFFER_LINE = re.compile(

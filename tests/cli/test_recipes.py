@@ -11,7 +11,7 @@ import pytest
 from exgrpo_trl.cli.train import ScriptArguments, parse_args
 from exgrpo_trl.config import ExGRPOConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 ACCELERATE = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
 GPU_RECIPES = [p for p in RECIPES if p.name != "tiny_cpu.yaml"]
@@ -292,7 +292,7 @@ def test_tiny_cpu_recipe_settings():
     assert script_args.reward_funcs == ["toy_addition"]
     assert model_args.dtype == "float32"
     # the 4-head model and 1,500-step warm start whose pass@1 is above the delayed start (0.35): replay starts
-    assert "python -m exgrpo_trl.tasks.toy --out outputs/tiny-toy --num-heads 4 --warm-start-steps 1500" in header(
+    assert "python -m exgrpo_trl.utils.tiny --out outputs/tiny-toy --num-heads 4 --warm-start-steps 1500" in header(
         ROOT / "recipes" / "tiny_cpu.yaml"
     )
     assert args.replay_start_pass_rate == 0.35

@@ -13,8 +13,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from exgrpo_trl.cli.train import load_tokenizer, model_init_kwargs, parse_args, resolve_checkpoint
-
-from .conftest import ROOT, TINY_RECIPE, toy_recipe_args
+from tests.helpers import ROOT, TINY_RECIPE, toy_recipe_args
 
 
 def test_load_tokenizer_honours_the_saved_class(toy_dir):
@@ -49,7 +48,7 @@ def test_resolve_checkpoint(tmp_path):
     for step in (5, 12, 9):
         _minimal_checkpoint(out / f"checkpoint-{step}", step)
     assert resolve_checkpoint(args) == str(out / "checkpoint-12")  # the last by step, not by name
-    (out / "checkpoint-100").mkdir()  # an interrupted save: skipped (tests/test_resume_after_crash.py)
+    (out / "checkpoint-100").mkdir()  # an interrupted save: skipped (tests/resume/test_resume_after_crash.py)
     assert resolve_checkpoint(args) == str(out / "checkpoint-12")
     _, args, _ = parse_args(
         ["--config", str(TINY_RECIPE), "--output_dir", str(out), "--resume_from_checkpoint", str(out / "checkpoint-5")]
@@ -193,7 +192,7 @@ def test_tiny_cpu_recipe_trains_evaluates_and_resumes(toy_dir, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Help and errors (issue 16): the help leads with what a user of `exgrpo train` needs, errors are one line
+# Help and errors: the help leads with what a user of `exgrpo train` needs, errors are one line
 # ---------------------------------------------------------------------------------------------------------------
 def test_help_leads_with_usage_config_and_exgrpo_options(capsys, monkeypatch):
     from dataclasses import fields

@@ -1,4 +1,4 @@
-"""Mistakes a user makes when building an ExGRPOTrainer, met at init with a message that says what to do (issue 16):
+"""Mistakes a user makes when building an ExGRPOTrainer, met at init with a message that says what to do:
 a plain GRPOConfig (and the conversion the message points to), a dataset without a 'prompt' column."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
-
-from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
 
 GRPO_CONFIG_MESSAGE = (
     "ExGRPOTrainer needs an ExGRPOConfig, got a GRPOConfig. Convert it with "

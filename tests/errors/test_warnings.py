@@ -1,4 +1,4 @@
-"""Settings that used to train wrongly without a word (issue 16): a success threshold that does not separate right
+"""Settings that used to train wrongly without a word: a success threshold that does not separate right
 from wrong rollouts, and ExGRPO settings changed between a checkpoint and its resume."""
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ import torch
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import ExperienceBuffer
+from exgrpo_trl.checks import threshold_mismatch
 from exgrpo_trl.state import load_state
-from exgrpo_trl.trainer import threshold_mismatch
-
-from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
 
 ALL_SOLVED = (
     "ExGRPO: every rollout of this batch counts as solved (weighted total reward >= success_reward_threshold=1), yet "

@@ -1,9 +1,10 @@
 """Two real processes: `accelerate launch --num_processes 2` under DDP (gloo) and under DeepSpeed ZeRO-3, on CPU.
 
-Each launch trains the tiny model with replay on and lowest-entropy trajectory selection (tests/mp/train_replay.py;
-with --tools, the calculator task of tests/tool_tasks.py, whose rollouts call tools: DDP by default, ZeRO-3 slow),
-saves a checkpoint, resumes a second trainer from it, and calls the entropy scoring directly with candidate counts
-that split unevenly over the two ranks. Every rank writes what it saw to a JSON file; the tests compare them:
+Each launch trains the tiny model with replay on and lowest-entropy trajectory selection
+(tests/multiprocess/train_replay.py; with --tools, the calculator task of tests/support/tool_tasks.py, whose rollouts
+call tools: DDP by default, ZeRO-3 slow), saves a checkpoint, resumes a second trainer from it, and calls the entropy
+scoring directly with candidate counts that split unevenly over the two ranks. Every rank writes what it saw to a JSON
+file; the tests compare them:
 
 - each rank really is one of two (a previous configuration silently ran one process, or two worlds of one);
 - one logical buffer: trajectories live on rank 0 only, the replay plan is identical on every rank, the retired set
@@ -11,7 +12,8 @@ that split unevenly over the two ranks. Every rank writes what it saw to a JSON 
 - the same forward passes on every rank at every step (entropy scoring included), so ZeRO-3 cannot hang; a launch
   that hangs or fails fails the test (subprocess timeout, the whole process group killed).
 
-Why the accelerate configs look the way they do: see tests/mp/ddp_cpu.yaml and tests/mp/zero3_cpu.yaml.
+Why the accelerate configs look the way they do: see tests/multiprocess/ddp_cpu.yaml and
+tests/multiprocess/zero3_cpu.yaml.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-MP = ROOT / "tests" / "mp"
+ROOT = Path(__file__).resolve().parents[2]
+MP = ROOT / "tests" / "multiprocess"
 LAUNCH_TIMEOUT_S = 300  # a healthy launch takes 20-40 s here; a hang fails the test instead of blocking the suite
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
@@ -137,7 +139,8 @@ def zero3_tools_run(tmp_path_factory):
     return out, launch("zero3_cpu.yaml", out, "--expect", "zero3", "--uneven", "--resume", "--tools")
 
 
-# The *_tools runs train the calculator task of tests/tool_tasks.py, whose rollouts call tools through TRL's tool loop:
+# The *_tools runs train the calculator task of tests/support/tool_tasks.py, whose rollouts call tools through TRL's
+# tool loop:
 # ranks run different numbers of tool turns (each as many as its own rows need). ZeRO-3 with tools: ~110 s, slow.
 RUNS = ["ddp_run", "zero3_run", "ddp_tools_run", pytest.param("zero3_tools_run", marks=pytest.mark.slow)]
 
@@ -229,8 +232,7 @@ def test_one_logical_buffer_on_the_main_process(run):
 def test_checkpoint_holds_rank0_buffer_and_resume_restores_it_on_every_rank(run):
     from exgrpo_trl.buffer import ExperienceBuffer
     from exgrpo_trl.state import load_state
-
-    from .recording import buffer_hash, retired_hash
+    from tests.support.recording import buffer_hash, retired_hash
 
     out, (r0, r1) = run
     saved = ExperienceBuffer(8)

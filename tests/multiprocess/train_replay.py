@@ -1,7 +1,7 @@
-"""Run by tests/test_multiprocess.py under `accelerate launch --num_processes 2` (DDP over gloo, or DeepSpeed ZeRO-3),
-never by pytest directly.
+"""Run by tests/multiprocess/test_multiprocess.py under `accelerate launch --num_processes 2` (DDP over gloo, or
+DeepSpeed ZeRO-3), never by pytest directly.
 
-Trains the tiny model of tests/conftest.py with replay on and lowest-entropy trajectory selection, and writes what
+Trains the tiny model of tests/helpers.py with replay on and lowest-entropy trajectory selection, and writes what
 the test compares to OUT/rank{r}.json:
 
 - the world as each rank sees it (num_processes, distributed type, ZeRO stage, model engine class);
@@ -14,7 +14,8 @@ the test compares to OUT/rank{r}.json:
 - with --uneven: `_exgrpo_score_entropies` called directly with candidate counts that split unevenly over 2 ranks
   (1, 3, 2B+1 with B the scoring chunk size), compared with unsharded scoring;
 - with --resume: a second trainer resumes from the last checkpoint; the buffer each rank holds right after loading;
-- with --tools: the calculator task of tests/tool_tasks.py instead, whose rollouts call tools through TRL's tool loop
+- with --tools: the calculator task of tests/support/tool_tasks.py instead, whose rollouts call tools through TRL's
+  tool loop
   (a rank runs as many tool turns as its own rows need), every 6th question always solved so that some retire.
 
 Options are plain argv flags so the launch command stays short.
@@ -38,8 +39,8 @@ import numpy as np
 import torch
 
 from exgrpo_trl import ExGRPOConfig
-from tests.conftest import config_kwargs, make_model, make_reward, synthetic_dataset
-from tests.recording import RecordingTrainer, buffer_summary, plan_digest
+from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.support.recording import RecordingTrainer, buffer_summary, plan_digest
 
 
 def rss_mb() -> float:
@@ -79,7 +80,14 @@ def world_info(trainer) -> dict:
 
 def tool_setup():
     """(tokenizer, model, dataset, reward, trainer keywords) of the calculator task with tools."""
-    from tests.tool_tasks import add, build_tool_tokenizer, calculator_dataset, calculator_reward, make_tool_model, mul
+    from tests.support.tool_tasks import (
+        add,
+        build_tool_tokenizer,
+        calculator_dataset,
+        calculator_reward,
+        make_tool_model,
+        mul,
+    )
 
     def reward(completions, answer, always, **kwargs):
         return [1.0 if a else r for r, a in zip(calculator_reward(completions, answer), always)]
@@ -90,7 +98,7 @@ def tool_setup():
 
 
 def build(out: Path, args, max_steps: int, break_padding: bool = False) -> RecordingTrainer:
-    from exgrpo_trl.tasks.toy import build_char_tokenizer
+    from exgrpo_trl.utils.tiny import build_char_tokenizer
 
     if args.tools:
         tokenizer, model, dataset, reward, extra = tool_setup()

@@ -1,4 +1,4 @@
-"""The documentation (issue 25): the pages build strictly with MkDocs, the README is a front page, nothing cites a file
+"""The documentation: the pages build strictly with MkDocs, the README is a front page, nothing cites a file
 outside the repository, and every code block a user would copy is tested: the Python blocks run (the quick starts on
 a CPU with a stand-in model, and they replay), the command lines are checked against the commands they call (options
 parse, named files exist), and a block that no test covers fails `test_every_code_block_is_covered`."""
@@ -18,10 +18,10 @@ from pathlib import Path
 import tomllib
 from markdown_it import MarkdownIt
 
-from .coin_model import build_coin_model_dir, write_math_questions
-from .conftest import WORKSPACE
+from tests.helpers import WORKSPACE
+from tests.support.coin_model import build_coin_model_dir, write_math_questions
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 PAGES = [README, *sorted(DOCS.glob("*.md"))]
@@ -109,7 +109,7 @@ def test_docs_build_strictly(tmp_path):
     assert (site / "exgrpo_trainer" / "index.html").is_file()
     # the study's figure, a repository file outside docs/, is published with the site and shown
     assert (site / "_repo" / "benchmarks" / "results" / "study" / "study.png").is_file()
-    for name in ("study.png", "sweep.png"):
+    for name in ("study.png", "sweep.png", "difficulty.png"):
         assert f'src="../_repo/benchmarks/results/study/{name}"' in (site / "study" / "index.html").read_text()
 
 
@@ -119,7 +119,7 @@ def test_strict_build_fails_on_broken_links_anchors_and_orphan_pages(tmp_path):
     shutil.copy(ROOT / "mkdocs.yml", tmp_path)
     figure = tmp_path / "benchmarks" / "results" / "study"
     figure.mkdir(parents=True)
-    for name in ("study.png", "sweep.png"):
+    for name in ("study.png", "sweep.png", "difficulty.png"):
         shutil.copy(ROOT / "benchmarks" / "results" / "study" / name, figure)
     with open(tmp_path / "docs" / "cpu.md", "a") as f:
         f.write("\n[a](algorithm.md#no-such-heading) [b](../no/such/file.yaml) [c](gone.md)\n")
@@ -307,7 +307,7 @@ def test_missing_extra_output_is_what_the_page_shows(monkeypatch, capsys):
 
     (block,) = section_blocks(DOCS / "installation.md", "## What each extra brings")
     command, shown = block.text.splitlines()
-    assert command == "$ exgrpo demo"
+    assert command == "$ exgrpo inspect outputs/run/checkpoint-300 --plot buffer.png"
     monkeypatch.setattr(requirements, "missing", lambda module: module == "matplotlib")
     assert cli.main(shlex.split(command)[2:]) == 1
     assert capsys.readouterr().err.splitlines() == [shown]
@@ -377,7 +377,7 @@ def _check_pip(words: list[str]) -> None:
 
 def _check_exgrpo(words: list[str]) -> None:
     from exgrpo_trl import cli
-    from exgrpo_trl.cli import evaluate, inspect, study
+    from exgrpo_trl.cli import evaluate, inspect
     from exgrpo_trl.cli import train as train_cli
 
     rest = words[1:]
@@ -391,16 +391,15 @@ def _check_exgrpo(words: list[str]) -> None:
         evaluate.build_arg_parser().parse_args(args)
     elif name == "inspect":
         inspect.build_parser().parse_args(args)
-    elif name == "study":
-        study.build_parser().parse_args(args)
     else:
         raise AssertionError(f"no check for exgrpo {name}")
 
 
 def check_command(command: str, capsys) -> None:
-    from exgrpo_trl.cli import study
     from exgrpo_trl.cli import train as train_cli
-    from exgrpo_trl.tasks import toy
+    from exgrpo_trl.utils import tiny
+    from lab import demo
+    from lab.study import cli as study_cli
 
     words = _without_env(shlex.split(command))
     program = words[0]
@@ -414,11 +413,13 @@ def check_command(command: str, capsys) -> None:
     elif program == "exgrpo":
         _check_exgrpo(words)
     elif program == "python" and words[1] == "-m":
-        assert words[2] == "exgrpo_trl.tasks.toy", words
-        toy.build_parser().parse_args(words[3:])
+        parsers = {"exgrpo_trl.utils.tiny": tiny.build_parser, "lab.study": study_cli.build_parser}
+        parsers["lab.demo"] = demo.build_parser
+        assert words[2] in parsers, words
+        parsers[words[2]]().parse_args(words[3:])
     elif program == "python" and words[1] == "benchmarks/study.py":
         assert (ROOT / words[1]).is_file()
-        study.build_parser().parse_args(words[2:])
+        study_cli.build_parser().parse_args(words[2:])
     elif program == "python" and words[1] == "scripts/study_tables.py":
         # the command rewrites the pages' tables from results.md; with --check it only says whether they are current
         run = subprocess.run(
@@ -439,7 +440,7 @@ def check_command(command: str, capsys) -> None:
     elif program == "mkdocs":
         assert words[1] in ("serve", "build"), words  # the build itself: test_docs_build_strictly
     else:
-        raise AssertionError(f"no check for a command line starting with {program!r}: add one to tests/test_docs.py")
+        raise AssertionError(f"no check for a command line starting with {program!r}: add one to this file")
     capsys.readouterr()
 
 

@@ -1,10 +1,11 @@
 """The package layout (scripts/check_imports.py): no import circles, imports go down the layers, pure modules stay
-free of trl / transformers / accelerate. Checked on the real package, and on a made-up one that breaks each rule."""
+free of trl / transformers / accelerate, the package never imports the lab. Checked on the real package, and on a
+made-up one that breaks each rule."""
 
 import importlib.util
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("check_imports", ROOT / "scripts" / "check_imports.py")
 check_imports = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(check_imports)
@@ -39,6 +40,7 @@ def test_each_broken_rule_is_reported(tmp_path):
             "eval/__init__.py": "",
             "eval/report.py": "def g():\n    import exgrpo_trl.eval.grading\n",
             "eval/grading.py": "from . import report\n",  # report <-> grading
+            "cli/__init__.py": "def main():\n    from lab.study import run_one\n",  # the package imports the lab
         },
     )
     problems, _ = check_imports.check(package)
@@ -46,6 +48,7 @@ def test_each_broken_rule_is_reported(tmp_path):
         "import circle: exgrpo_trl.eval.grading <-> exgrpo_trl.eval.report",
         "exgrpo_trl.tasks.toy (tasks) imports exgrpo_trl.eval.report (eval): imports go down the layers",
         "exgrpo_trl.trainer (algorithm) imports exgrpo_trl.tasks.toy (tasks): imports go down the layers",
+        "exgrpo_trl.cli imports lab: the package never imports the repository's lab/ folder",
         "exgrpo_trl.replay must not import trl through exgrpo_trl.loss",
     ]
     assert check_imports.main([str(package)]) == 1

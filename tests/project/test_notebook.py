@@ -1,7 +1,7 @@
 """notebooks/exgrpo_lora_single_gpu.ipynb: executed end to end in its CPU mode with nbclient (tiny local model, toy
 task, LoRA, 20 ExGRPO steps, the plots, the before/after table, the model card, and the Hub push through the local
-stand-in of tests/hub_stand_in.py); its GPU settings built for real; and the notebook's own rules (no logic of its
-own, committed with the outputs of one CPU run and an install line that works). Plus the package helpers it calls
+stand-in of tests/support/hub_stand_in.py); its GPU settings built for real; and the notebook's own rules (no logic of
+its own, committed with the outputs of one CPU run and an install line that works). Plus the package helpers it calls
 (exgrpo_trl.utils.plotting, exgrpo_trl.eval.completions)."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import nbformat
 import pytest
 from huggingface_hub import ModelCard
 
-from . import hub_stand_in
-from .conftest import MACHINE_DIRS
+from tests.helpers import MACHINE_DIRS
+from tests.support import hub_stand_in
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "notebooks" / "exgrpo_lora_single_gpu.ipynb"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 BUFFER_PRINTED = re.compile(r"buffer at the end: (\d+) questions, (\d+) trajectories, (\d+) retired")
@@ -68,7 +68,7 @@ def executed(tmp_path_factory):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # The only change to the notebook: a first cell that puts the Hub stand-in in place inside the kernel.
     stand_in = nbformat.v4.new_code_cell(
-        f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom tests import hub_stand_in\n"
+        f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom tests.support import hub_stand_in\n"
         f"hub_stand_in.install({str(work / 'hub')!r})"
     )
     nb.cells.insert(0, stand_in)
@@ -265,9 +265,8 @@ def test_plot_training_draws_each_series(tmp_path):
 
 def test_sample_and_compare_completions(tokenizer):
     from exgrpo_trl.eval.completions import compare_completions, question_text, sample_completions
-    from exgrpo_trl.tasks.toy import addition_reward
-
-    from .conftest import make_model
+    from exgrpo_trl.utils.tiny import addition_reward
+    from tests.helpers import make_model
 
     model = make_model(tokenizer)
     model.train()

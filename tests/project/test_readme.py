@@ -1,6 +1,6 @@
-"""The documented CPU path runs as written (issues 16, 25): the whole local path of recipes/tiny_cpu.yaml in
+"""The documented CPU path runs as written: the whole local path of recipes/tiny_cpu.yaml in
 docs/cpu.md (build, train, inspect), and the study's tables in docs/study.md are the committed results'. The quick
-starts are run by tests/test_docs.py."""
+starts are run by tests/project/test_docs.py."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CPU_PAGE = (ROOT / "docs" / "cpu.md").read_text()
 STUDY_PAGE = (ROOT / "docs" / "study.md").read_text()
 # PYTHONPATH: the child processes import this tree's exgrpo_trl, whatever is installed
@@ -46,10 +46,10 @@ def test_cpu_path_commands_work(tmp_path, monkeypatch, capsys):
     """The page's commands, run in a folder holding only the recipe (a fresh clone's layout), each through its own
     entry point, with a 3-step warm start and 2 training steps (replay on from the first) instead of the real run."""
     from exgrpo_trl import cli
-    from exgrpo_trl.tasks import toy
+    from exgrpo_trl.utils import tiny as toy
 
     build, train, inspect = cpu_path_commands()
-    assert build == "python -m exgrpo_trl.tasks.toy --out outputs/tiny-toy --num-heads 4 --warm-start-steps 1500"
+    assert build == "python -m exgrpo_trl.utils.tiny --out outputs/tiny-toy --num-heads 4 --warm-start-steps 1500"
     assert train == "exgrpo train --config recipes/tiny_cpu.yaml"
     assert inspect == "exgrpo inspect outputs/exgrpo-tiny-cpu/checkpoint-300"
     _copy_recipe(tmp_path)
@@ -105,7 +105,7 @@ STUDY = ROOT / "benchmarks" / "results" / "study"
 def test_study_tables_match_the_committed_results():
     """The study page's figures are the committed results.json's, not typed by hand: the addition table is
     results.md's, row for row, and every row of the Countdown table is rebuilt here from results.json."""
-    from exgrpo_trl.cli.study import band, fmt
+    from lab.study import band, fmt
 
     results = json.loads((STUDY / "results.json").read_text())
     report = (STUDY / "results.md").read_text()
@@ -140,8 +140,9 @@ def _table_rows(report: str, heading: str) -> list[str]:
 
 def test_sweep_tables_are_the_committed_results():
     """The study page's sweep, regime and paper-point tables, and the README's sweep table, are results.md's
-    (written by `exgrpo study` from the saved runs), row for row; the sweep table has every point of sweep.json."""
-    from exgrpo_trl.cli.study import PAPER_POINT
+    (written by `python -m lab.study` from the saved runs), row for row; the sweep table has every point of
+    sweep.json."""
+    from lab.study import PAPER_POINT
 
     report = (STUDY / "results.md").read_text()
     sweep = json.loads((STUDY / "sweep.json").read_text())

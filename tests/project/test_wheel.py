@@ -1,8 +1,10 @@
-"""The package as a user installs it (issue 25): a wheel built from this tree, installed with its declared dependencies
+"""The package as a user installs it: a wheel built from this tree, installed with its declared dependencies
 into a fresh virtual environment (torch first, alone, as docs/installation.md says), then what a new user runs
 first: `exgrpo --version`, `exgrpo train --help`, the math reward on a correct answer (it scored 0.0 in such an
-environment, math-verify being only an extra), `exgrpo demo --quick` without the `demo` extra (one line naming it,
-at once) and with it (the whole smoke run, report included).
+environment, math-verify being only an extra); that the wheel holds the package and nothing of the lab; and the
+lab's demo (`python -m lab.demo --quick`, from a copy of lab/ beside the installed wheel) without the `demo` extra
+(one line naming it, at once) and with it (the whole smoke run, report included): the lab needs nothing of the
+package that the wheel does not ship.
 
 About 1.5-3 minutes here: installing torch and the dependencies dominates (the index and pip's cache serve them;
 `--no-compile` skips byte-compiling torch's files). TORCH_SPEC and TORCH_INDEX choose torch as in the Makefile."""
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
 TORCH_INDEX = os.environ.get("TORCH_INDEX", "")
 
@@ -89,23 +91,37 @@ def test_math_reward_scores_a_correct_answer(fresh_env):
     assert _run(str(work / "venv" / "bin" / "python"), "-c", code, env=env).stdout == "[1.0]\n"
 
 
-def test_demo_without_then_with_its_extra(fresh_env):
+def test_the_wheel_holds_the_package_and_not_the_lab(fresh_env):
+    import zipfile
+
+    _, wheel, _ = fresh_env
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {name.split("/")[0] for name in names}
+    assert top == {"exgrpo_trl", wheel.name.split("-")[0] + "-0.1.0.dist-info"}, top
+    assert "exgrpo_trl/utils/tiny.py" in names  # the CPU kit users try ExGRPO with
+    assert not [n for n in names if any(part in n for part in ("countdown", "study", "demo", "regimes"))], names
+
+
+def test_lab_demo_against_the_wheel_without_then_with_its_extra(fresh_env):
     work, wheel, env = fresh_env
-    exgrpo = str(work / "venv" / "bin" / "exgrpo")
+    lab_home = work / "lab-home"  # lab/ alone, so that `exgrpo_trl` is the installed wheel's
+    shutil.copytree(ROOT / "lab", lab_home / "lab", ignore=shutil.ignore_patterns("__pycache__"))
     out, cache = str(work / "demo"), str(work / "cache")
-    demo = [exgrpo, "demo", "--quick", "--no-progress", "--out", out, "--cache-dir", cache]
+    demo = [str(work / "venv" / "bin" / "python"), "-m", "lab.demo", "--quick", "--no-progress", "--out", out]
+    demo += ["--cache-dir", cache]
     started = time.perf_counter()
-    without = _run(*demo, env=env, check=False)
-    assert without.returncode == 1 and time.perf_counter() - started < 30
+    without = subprocess.run(demo, capture_output=True, text=True, env=env, cwd=lab_home, timeout=300)
+    assert without.returncode == 1 and time.perf_counter() - started < 30, without.stderr[-3000:]
     assert without.stderr.splitlines() == [
-        "exgrpo demo: error: exgrpo demo needs matplotlib, which is not installed: pip install 'exgrpo-trl[demo]' "
+        "demo: error: make demo needs matplotlib, which is not installed: pip install 'exgrpo-trl[demo]' "
         "(or pip install matplotlib)"
     ]
     assert not (work / "demo").exists()  # nothing was trained
 
     pip = [str(work / "venv" / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-compile"]
     _run(*pip, f"{wheel}[demo]")
-    with_extra = _run(*demo, env=env)
+    with_extra = subprocess.run(demo, capture_output=True, text=True, env=env, cwd=lab_home, timeout=900)
+    assert with_extra.returncode == 0, with_extra.stderr[-3000:]
     assert "This seed (0): ExGRPO ends" in with_extra.stdout
     assert (work / "demo" / "results.json").is_file() and (work / "demo" / "figure.png").is_file()
     print(with_extra.stdout[-1500:])

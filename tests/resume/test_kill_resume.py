@@ -1,4 +1,4 @@
-"""Real `exgrpo train` processes killed with SIGKILL at seeded random moments, rerun until they finish (issue 26).
+"""Real `exgrpo train` processes killed with SIGKILL at seeded random moments, rerun until they finish.
 
 One run of 48 steps over 3 epochs (64 questions, 4 a step: 16 steps an epoch), a checkpoint every 2 steps (the
 generation batch: 2 optimizer steps), `save_total_limit` 2, is killed again and again, each time by one of:
@@ -31,9 +31,8 @@ from safetensors.numpy import load_file
 
 from exgrpo_trl.checkpoints import checkpoint_problems, checkpoint_step
 from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME
-
-from .conftest import ROOT, toy_recipe_args
-from .test_resume_after_crash import CRASH_AT, ENV
+from tests.helpers import ROOT, toy_recipe_args
+from tests.resume.crashing import CRASH_AT, ENV
 
 MAX_STEPS = 48
 SECOND_EPOCH = 20  # the rotation kill lands at this step or later: 16 steps an epoch

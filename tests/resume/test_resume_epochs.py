@@ -1,4 +1,4 @@
-"""Resume that holds at any moment (issue 26): the sampler's place in its epochs is training state, a run resumed at
+"""Resume that holds at any moment: the sampler's place in its epochs is training state, a run resumed at
 max_steps trains nothing, rotation keeps the newest complete checkpoints, no temporary state folder survives, and
 save_steps inside generation batches are named at init.
 
@@ -21,12 +21,10 @@ from trl.trainer.utils import RepeatSampler
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import question_key
 from exgrpo_trl.checkpoints import checkpoint_problems, rotate_checkpoints
-from exgrpo_trl.replay import SkipRetiredSampler
+from exgrpo_trl.checks import save_steps_inside_generation_batches
+from exgrpo_trl.sampler import SkipRetiredSampler
 from exgrpo_trl.state import STATE_DIRNAME
-from exgrpo_trl.trainer import save_steps_inside_generation_batches
-
-from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
-from .test_state import state_of
+from tests.helpers import config_kwargs, make_model, make_reward, state_of, synthetic_dataset
 
 PROMPTS = [f"q{i}" for i in range(12)]
 

@@ -1,4 +1,4 @@
-"""Unit tests of the countdown task (exgrpo_trl.tasks.countdown): verifier, solver, data, tokenizer, warm start,
+"""Unit tests of the countdown task (lab.countdown): verifier, solver, data, tokenizer, warm start,
 evaluation."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import pytest
 import torch
 from datasets import Dataset
 
-from exgrpo_trl.tasks import countdown, toy
-from exgrpo_trl.tasks.countdown import (
+from exgrpo_trl.utils import tiny as toy
+from lab import countdown
+from lab.countdown import (
     COUNTDOWN_ALPHABET,
     count_expressions,
     countdown_dataset,
@@ -400,3 +401,15 @@ def test_calibration_cli_prints_one_json_line_per_start(tmp_path, capsys):
     assert [line["steps"] for line in lines] == [1, 2]
     assert set(lines[0]) >= {"pass_at_1", "by_difficulty", "by_operands", "warm_start_s", "distinct_correct_2_7"}
     assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_never_solved_shares_by_hand(monkeypatch):
+    from datasets import Dataset
+
+    questions = Dataset.from_dict({"numbers": [[1, 2, 3], [2, 5, 7]], "target": [9, 70]})
+    # question 0: its 2nd and 4th samples solve it ((1+2)*3 = 9); question 1: never ("2*5" is 10, "7*2" is 14)
+    texts = [["1+2", "(1+2)*3", "3*2", "3*(2+1)"], ["2*5", "7*2", "2+5", "x"]]
+    monkeypatch.setattr(countdown, "evaluate_countdown", lambda *a, **k: {"overall": 0.25, "completions": texts})
+    found = countdown.never_solved_shares(None, None, questions, samples=4, seed=0, within=(1, 2))
+    # within 1 sample both are unsolved; within 2 (and all 4) only question 1
+    assert found == {"pass_at_1": 0.25, "never_solved_within": {1: 1.0, 2: 0.5, 4: 0.5}}

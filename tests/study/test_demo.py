@@ -1,16 +1,21 @@
-"""`exgrpo demo`: one seed of the study, GRPO and ExGRPO side by side. The comparison's arithmetic and wording on
-hand-made runs (it must say which arm ended higher, whichever it is), then the whole demo at 2 steps per run."""
+"""The demo (`make demo`, `python -m lab.demo`): one seed of the study, GRPO and ExGRPO side by side. The comparison's
+arithmetic and wording on hand-made runs (it must say which arm ended higher, whichever it is), then the whole demo
+at 2 steps per run."""
 
 from __future__ import annotations
 
 import copy
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from exgrpo_trl.cli import demo, study
+from lab import demo, study
+
+ROOT = Path(__file__).resolve().parents[2]
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -23,13 +28,13 @@ def test_defaults_are_the_studied_setting():
         demo.build_parser().parse_args(["--task", "nope"])
 
 
-def test_cli_dispatches_demo(capsys):
+def test_demo_runs_as_a_module_of_the_lab_not_an_exgrpo_command(capsys):
     from exgrpo_trl.cli import main
 
-    with pytest.raises(SystemExit) as exc:
-        main(["demo", "--help"])
-    assert exc.value.code == 0
-    assert "--task" in capsys.readouterr().out
+    run = subprocess.run([sys.executable, "-m", "lab.demo", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0 and "--task" in run.stdout, run.stderr
+    assert main(["demo"]) == 2  # the installed command knows nothing of the lab
+    assert "unknown command 'demo'" in capsys.readouterr().err
 
 
 def _record(arm, rollouts, curve, by_difficulty, replayed):
@@ -154,23 +159,23 @@ def test_two_step_demo_end_to_end(tmp_path, capsys):
 
 
 def test_demo_prints_the_study_sweep(tmp_path):
-    """The demo's closing lines: the study's sweep.json as written by `exgrpo study`, one line a step size."""
-    from .test_study_sweep import _record
+    """The demo's closing lines: the study's sweep.json as written by `python -m lab.study`, one line a step size."""
+    from tests.study.records import make_record
 
     x = [0, 1000, 2000]
     logs = dict(steps={"fresh_questions": [64, 32], "replayed": [0, 32], "buffer_questions": [10, 40]},
                 replay_counts={"histogram": {"1": 32}})  # fmt: skip
     runs = [  # one sweep point at lr 2.5e-5 over 64 questions an update (3.9e-7): GRPO 0.40 / 0.42, ExGRPO 0.43 / 0.41
-        _record(f"{study.SWEEP_FAMILY}-x", "grpo", 0, [0, 1, 2], x, [0.2, 0.3, 0.40], lr=2.5e-5),
-        _record(f"{study.SWEEP_FAMILY}-x", "grpo", 1, [0, 1, 2], x, [0.2, 0.3, 0.42], lr=2.5e-5),
-        _record(f"{study.SWEEP_FAMILY}-x", "exgrpo", 0, [0, 1, 2], x, [0.2, 0.3, 0.43], lr=2.5e-5, **logs),
-        _record(f"{study.SWEEP_FAMILY}-x", "exgrpo", 1, [0, 1, 2], x, [0.2, 0.3, 0.41], lr=2.5e-5, **logs),
+        make_record(f"{study.SWEEP_FAMILY}-x", "grpo", 0, [0, 1, 2], x, [0.2, 0.3, 0.40], lr=2.5e-5),
+        make_record(f"{study.SWEEP_FAMILY}-x", "grpo", 1, [0, 1, 2], x, [0.2, 0.3, 0.42], lr=2.5e-5),
+        make_record(f"{study.SWEEP_FAMILY}-x", "exgrpo", 0, [0, 1, 2], x, [0.2, 0.3, 0.43], lr=2.5e-5, **logs),
+        make_record(f"{study.SWEEP_FAMILY}-x", "exgrpo", 1, [0, 1, 2], x, [0.2, 0.3, 0.41], lr=2.5e-5, **logs),
     ]
     assert demo.sweep_lines(tmp_path) == []  # no sweep.json: nothing printed
     study.sweep_report(runs, tmp_path)
     lines = demo.sweep_lines(tmp_path)
     # paired differences +0.03 (seed 0) and -0.01 (seed 1): median +0.01, band [-0.01, +0.03]
     name = f"{study.SWEEP_FAMILY}-x"  # padded to 26 columns
-    expected = "ExGRPO - GRPO final +0.010 [-0.010, +0.030] over 2 paired seeds"
+    expected = "ExGRPO - GRPO final, equal updates +0.010 [-0.010, +0.030] over 2 paired seeds"
     assert lines[2] == f"  3.9e-07  {name}{' ' * (26 - len(name))} {expected}"
     assert len(lines) == 3  # a title, one point, no estimate noise (no resampled evaluations)

@@ -1,5 +1,6 @@
-"""The study harness (`exgrpo study`, benchmarks/study.py) at a tiny size: what a run saves, the table, the figure,
-and that a second call finds the saved runs and trains nothing. Plus the report's arithmetic on hand-made runs."""
+"""The study harness (`python -m lab.study`, benchmarks/study.py) at a tiny size: what a run saves, the table, the
+figure, and that a second call finds the saved runs and trains nothing. Plus the report's arithmetic on hand-made
+runs."""
 
 import json
 import math
@@ -7,10 +8,15 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from exgrpo_trl.cli import study
+from lab import study
+from lab.study import run as study_run
+from lab.study import schedule
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tiny_study_saves_reports_and_resumes(tmp_path, capsys):
@@ -39,8 +45,8 @@ def test_tiny_study_saves_reports_and_resumes(tmp_path, capsys):
     # each run left its last step for the parent's progress bars
     for arm in runs:
         assert study.progress_path(cache, "addition", arm, 0).read_text() == "2 2\n"
-        assert study._step(cache, ("addition", arm, 0)) == (2, 2)
-    assert study._step(cache, ("addition", "grpo", 9)) is None
+        assert schedule._step(cache, ("addition", arm, 0)) == (2, 2)
+    assert schedule._step(cache, ("addition", "grpo", 9)) is None
 
     # the report covers every saved run, whatever this call's --tasks and --arms
     assert study.main([*argv, "--arms", "grpo", "--report-only"]) == 0
@@ -61,20 +67,21 @@ def test_killed_run_resumes_from_its_checkpoint_to_the_same_record(tmp_path):
     workdir = cache / "study-trainer" / "countdown-weak-exgrpo-seed0"
 
     def command(results):
-        return [sys.executable, "-m", "exgrpo_trl.cli", "study", "--quick", "--set", "steps=6",
+        return [sys.executable, "-m", "lab.study", "--quick", "--set", "steps=6",
                 "--set", "warm_start_steps=150", "--cache-dir", str(cache), "--results", str(tmp_path / results),
                 "--run-one", "countdown-weak", "exgrpo", "0"]  # fmt: skip
 
     def saved(results):
         return json.loads((tmp_path / results / "countdown-weak" / "exgrpo" / "seed0.json").read_text())
 
-    subprocess.run(command("straight"), check=True, capture_output=True)
+    subprocess.run(command("straight"), check=True, capture_output=True, cwd=ROOT)
     straight = saved("straight")
     assert sum(straight["steps"]["replayed"]) > 0 and straight["resumed_at"] == []
     assert not workdir.exists()  # a finished run's checkpoints are deleted
+    check_batch_records(straight, questions=16, k=8)
 
     # killed from outside as soon as update 3's checkpoint holds the study's state
-    proc = subprocess.Popen(command("killed"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(command("killed"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
     deadline = time.monotonic() + 300
     while not (workdir / "checkpoint-3" / study.STUDY_STATE).exists():
         assert proc.poll() is None and time.monotonic() < deadline
@@ -90,9 +97,9 @@ def test_killed_run_resumes_from_its_checkpoint_to_the_same_record(tmp_path):
     # a checkpoint of other settings is never resumed from: the folder is cleared and the run starts afresh
     other = tmp_path / "other"
     shutil.copytree(workdir, other)
-    assert study._resume_point(str(other), {"task": "another"}) == (None, None) and not other.exists()
+    assert study_run._resume_point(str(other), {"task": "another"}) == (None, None) and not other.exists()
 
-    subprocess.run(command("killed"), check=True, capture_output=True)
+    subprocess.run(command("killed"), check=True, capture_output=True, cwd=ROOT)
     resumed = saved("killed")
     assert resumed["resumed_at"] == [with_state[-2]]
     for run in (straight, resumed):
@@ -142,9 +149,76 @@ def test_unknown_arm_is_one_line(capsys):
 
 
 def test_set_overrides_task_fields(capsys):
-    tasks = study._tasks(False, study._overrides(["learning_rate=2e-4", "steps=600"]))
+    tasks = study.build_tasks(False, study.parse_overrides(["learning_rate=2e-4", "steps=600"]))
     assert tasks["addition"].learning_rate == 2e-4 and tasks["addition"].steps == 600
     assert isinstance(tasks["addition"].steps, int)
     assert study.TASKS["addition"].steps == 300  # the registry itself is untouched
     assert study.main(["--set", "nope=1", "--report-only"]) == 2
     assert "--set 'nope=1': expected FIELD=VALUE" in capsys.readouterr().err
+
+
+def check_batch_records(record: dict, questions: int, k: int) -> None:
+    """The per-generation-batch records of an ExGRPO run agree with its per-step logs: one a generation batch (here
+    one a step), fresh and replayed groups adding up to the batch, the replayed ones never all-fail (each holds its
+    stored success), bucket counts summing to the buffer's questions, ages that are updates back, and importance
+    weights recorded exactly when something was replayed."""
+    batches, steps = record["batches"], record["steps"]
+    assert [b["step"] for b in batches] == list(range(len(steps["replayed"])))
+    for b, replayed, in_buffer in zip(batches, steps["replayed"], steps["buffer_questions"]):
+        assert b["fresh_groups"] + b["replayed_groups"] == questions and b["replayed_groups"] == replayed
+        assert b["replayed_all_fail"] == 0 and b["fresh_all_fail"] + b["fresh_all_pass"] <= b["fresh_groups"]
+        assert sum(b["buckets"].values()) == in_buffer and sorted(b["buckets"]) == [str(c) for c in range(1, k)]
+        if replayed:
+            assert 0 <= b["age"]["mean"] <= b["age"]["max"] <= b["step"]
+            w = b["is_weight"]
+            assert w["tokens"] > 0 and w["p05"] <= w["mean"] <= w["p95"] and 0 <= w["below_gamma"] <= 1
+        else:
+            assert b["age"] is None and b["is_weight"] is None
+    assert any(b["replayed_groups"] for b in batches)
+
+
+def test_group_shares_by_hand():
+    # K = 4, three groups, the last one replayed: [1 0 0 0] one success, [0 0 0 0] all-fail, [1 1 1 1] all-pass
+    rewards = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
+    assert study_run.group_shares(rewards, 4, replayed=1) == {
+        "fresh_groups": 2, "fresh_all_fail": 1, "fresh_all_pass": 0,
+        "replayed_groups": 1, "replayed_all_fail": 0, "replayed_all_pass": 1,
+    }  # fmt: skip
+    # None (a reward function that had nothing to say) is no success; nothing replayed: every group is fresh
+    assert study_run.group_shares([None, 1.0, None, None], 2, replayed=0)["fresh_all_fail"] == 1
+
+
+def test_weight_summary_by_hand():
+    import torch
+
+    # w over two loss passes: sorted 0.05, 0.5, 1, 2, 4. Mean 7.55 / 5 = 1.51. torch.quantile interpolates linearly
+    # between order statistics at position q x (n - 1): q = 0.05 -> 0.2, 0.05 + 0.2 x 0.45 = 0.14; q = 0.95 -> 3.8,
+    # 2 + 0.8 x 2 = 3.6. Below gamma = 0.1: only 0.05, 1 of 5.
+    summary = study_run.weight_summary([torch.tensor([0.05, 0.5, 1.0, 2.0]), torch.tensor([4.0])], 0.1)
+    assert summary == {"tokens": 5, "mean": 1.51, "p05": 0.14, "p95": 3.6, "below_gamma": 0.2}
+    assert study_run.weight_summary([], 0.1) is None and study_run.weight_summary([torch.tensor([])], 0.1) is None
+    assert study_run.weight_summary([torch.tensor([1.0])], None)["below_gamma"] is None  # no shaping: no gamma
+
+
+def test_batch_record_ages_and_buckets():
+    from types import SimpleNamespace
+
+    from exgrpo_trl.buffer import ExperienceBuffer, Trajectory
+
+    buffer = ExperienceBuffer(4)
+    buffer.update_group("q", 2, {"prompt": "q"}, [Trajectory([5, 1], [-0.5, -0.25], 3)])  # q: 2 of 4, bucket 2
+    plan = SimpleNamespace(collected_at=[3, 5], with_trajectories=True)
+    # generated at update 9: trajectories collected at updates 3 and 5 are 6 and 4 updates old
+    out = study_run.batch_record(9, plan, {"fresh_groups": 1}, buffer)
+    assert out == {"step": 9, "fresh_groups": 1, "buckets": {"1": 0, "2": 1, "3": 0}, "age": {"mean": 5.0, "max": 6}}
+    revisit = SimpleNamespace(collected_at=[3], with_trajectories=False)  # no stored row replayed: no age
+    assert study_run.batch_record(9, revisit, {}, None) == {"step": 9, "buckets": None, "age": None}
+
+
+def test_hard_point_is_the_paper_point_from_a_weaker_start():
+    hard, paper = study.TASKS[study.HARD_POINT], study.TASKS[study.PAPER_POINT]
+    same = ("learning_rate", "steps", "prompts_per_step", "steps_per_generation", "train_questions", "eval_questions")
+    assert all(getattr(hard, f) == getattr(paper, f) for f in same)
+    assert hard.warm_start_steps == 300 < paper.warm_start_steps and hard.exgrpo == {"replay_start_pass_rate": 0.0}
+    quick = study.build_tasks(True)[study.HARD_POINT]  # the paper's batch shape shrunk to fit the smoke pool
+    assert quick.generation_questions <= study.QUICK["train_questions"]

@@ -1,4 +1,4 @@
-"""The study across regimes (issue 24) at a tiny size: the paper-shaped Countdown settings, a tiny run of one with
+"""The study across regimes at a tiny size: the paper-shaped Countdown settings, a tiny run of one with
 two optimizer updates per generation batch, the whole-pool splits, and the sweep's report and figure on hand-made
 runs whose figures are derived by hand."""
 
@@ -9,7 +9,9 @@ from collections import Counter
 
 import pytest
 
-from exgrpo_trl.cli import regimes, study
+from lab import study
+from lab.study import regimes
+from tests.study.records import make_record
 
 
 def test_sweep_settings_are_the_paper_shape_at_several_step_sizes():
@@ -26,7 +28,7 @@ def test_sweep_settings_are_the_paper_shape_at_several_step_sizes():
 
 
 def test_pool_splits_have_the_same_mix_and_are_cached(tmp_path):
-    from exgrpo_trl.tasks.countdown import countdown_pool_splits, is_held_out
+    from lab.countdown import countdown_pool_splits, is_held_out
 
     train, eval_ = countdown_pool_splits(1600, 100, cache_dir=tmp_path)
     assert len(train) == 1600 and len(eval_) == 100 and len(set(train["prompt"])) == 1600
@@ -61,24 +63,13 @@ def test_tiny_sweep_run_counts_one_generation_batch_per_two_updates(tmp_path, ca
     assert (results / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _record(task, arm, seed, eval_steps, rollouts, curve, lr=1e-4, **extra):
-    return {
-        "task": task, "arm": arm, "seed": seed,
-        "settings": {"task": {"learning_rate": lr, "prompts_per_step": 64, "steps_per_generation": 2,
-                              "steps": eval_steps[-1], "train_questions": 1000}},
-        "curve": {"step": eval_steps, "rollouts": rollouts, "pass_at_1": curve},
-        "final": {"pass_at_1": curve[-1], "rollouts": rollouts[-1], **extra.pop("final", {})},
-        **extra,
-    }  # fmt: skip
-
-
 def test_auc_and_last_quarter_by_hand():
-    r = _record("t", "grpo", 0, [0, 50, 100], [0, 100, 200], [0.2, 0.4, 0.4])
+    r = make_record("t", "grpo", 0, [0, 50, 100], [0, 100, 200], [0.2, 0.4, 0.4])
     # trapezoids: 100 x (0.2 + 0.4) / 2 = 30, then 100 x 0.4 = 40; over 200 rollouts: 70 / 200
     assert regimes.auc(r, 200) == pytest.approx(0.35)
     # cut at 150: 30 + 50 x 0.4 = 50 over 150
     assert regimes.auc(r, 150) == pytest.approx(50 / 150)
-    r = _record("t", "grpo", 0, [0, 25, 50, 75, 100], [0, 1, 2, 3, 4], [0.2, 0.3, 0.35, 0.38, 0.40])
+    r = make_record("t", "grpo", 0, [0, 25, 50, 75, 100], [0, 1, 2, 3, 4], [0.2, 0.3, 0.35, 0.38, 0.40])
     assert regimes.last_quarter_gain(r) == pytest.approx(0.02)  # 0.40 at step 100 minus 0.38 at step 75
 
 
@@ -87,32 +78,38 @@ def test_sweep_pairs_seeds_and_orders_points_by_step_size():
     x = [0, 1000, 2000]
     runs = [
         # lr 1e-4: GRPO 0.40 / 0.42, ExGRPO 0.45 / 0.41 -> paired differences +0.05, -0.01
-        _record(f"{fam}-a", "grpo", 0, [0, 1, 2], x, [0.2, 0.3, 0.40]),
-        _record(f"{fam}-a", "grpo", 1, [0, 1, 2], x, [0.2, 0.3, 0.42]),
-        _record(f"{fam}-a", "exgrpo", 0, [0, 1, 2], [0, 900, 1800], [0.2, 0.3, 0.45]),
-        _record(f"{fam}-a", "exgrpo", 1, [0, 1, 2], [0, 900, 1800], [0.2, 0.3, 0.41]),
+        make_record(f"{fam}-a", "grpo", 0, [0, 1, 2], x, [0.2, 0.3, 0.40]),
+        make_record(f"{fam}-a", "grpo", 1, [0, 1, 2], x, [0.2, 0.3, 0.42]),
+        make_record(f"{fam}-a", "exgrpo", 0, [0, 1, 2], [0, 900, 1800], [0.2, 0.3, 0.45]),
+        make_record(f"{fam}-a", "exgrpo", 1, [0, 1, 2], [0, 900, 1800], [0.2, 0.3, 0.41]),
         # lr 4e-4 (a larger step): one seed each, ExGRPO 0.03 lower
-        _record(f"{fam}-b", "grpo", 0, [0, 1, 2], x, [0.2, 0.3, 0.40], lr=4e-4),
-        _record(f"{fam}-b", "exgrpo", 0, [0, 1, 2], x, [0.2, 0.3, 0.37], lr=4e-4),
-        _record("other", "grpo", 0, [0, 1, 2], x, [0.2, 0.3, 0.5]),
+        make_record(f"{fam}-b", "grpo", 0, [0, 1, 2], x, [0.2, 0.3, 0.40], lr=4e-4),
+        make_record(f"{fam}-b", "exgrpo", 0, [0, 1, 2], x, [0.2, 0.3, 0.37], lr=4e-4),
+        make_record("other", "grpo", 0, [0, 1, 2], x, [0.2, 0.3, 0.5]),
     ]
     points = regimes.sweep(runs, fam)
     assert [p["task"] for p in points] == [f"{fam}-b", f"{fam}-a"]  # largest step first
     b, a = points
     assert b["step_size"] == pytest.approx(4e-4 / 64) and a["step_size"] == pytest.approx(1e-4 / 64)
-    assert a["final_difference"] == pytest.approx({"median": 0.02, "min": -0.01, "max": 0.05, "seeds": 2})
-    assert b["final_difference"]["median"] == pytest.approx(-0.03)
+    assert a["final_updates"] == pytest.approx({"median": 0.02, "min": -0.01, "max": 0.05, "seeds": 2})
+    assert b["final_updates"]["median"] == pytest.approx(-0.03)
+    # at equal rollouts: ExGRPO's 1800 against GRPO's curve there, 0.3 + 0.1 x 800 / 1000 = 0.38 (seed 0) and
+    # 0.3 + 0.12 x 0.8 = 0.396 (seed 1): +0.07 and +0.014
+    assert a["final_rollouts"] == pytest.approx({"median": 0.042, "min": 0.014, "max": 0.07, "seeds": 2})
+    # at equal updates (2 each), AUC over steps: GRPO seed 0 (0.25 + 0.35) / 2 = 0.30, ExGRPO (0.25 + 0.375) / 2
+    assert a["auc_updates"]["max"] == pytest.approx(0.3125 - 0.30)
     # AUC over the first 1800 rollouts (ExGRPO's runs end there). GRPO seed 0: 1000 x 0.25 = 250, then 800 x
     # (0.3 + (0.3 + 0.1 x 0.8)) / 2 = 272 -> 522 / 1800; ExGRPO seed 0: 900 x 0.25 = 225, 900 x 0.375 = 337.5 ->
     # 562.5 / 1800; difference 40.5 / 1800 = 0.0225. Seed 1: GRPO 250 + 800 x (0.3 + 0.396) / 2 = 528.4;
     # ExGRPO 225 + 900 x 0.355 = 544.5; difference 16.1 / 1800.
     assert a["auc_budget"] == 1800
-    assert a["auc_difference"]["max"] == pytest.approx(40.5 / 1800)
-    assert a["auc_difference"]["min"] == pytest.approx(16.1 / 1800)
+    assert a["auc_rollouts"]["max"] == pytest.approx(40.5 / 1800)
+    assert a["auc_rollouts"]["min"] == pytest.approx(16.1 / 1800)
     table = regimes.sweep_markdown(points, [])
+    assert "| ExGRPO - GRPO final, equal updates | ExGRPO - GRPO final, equal rollouts |" in table
     assert (
-        f"| {fam}-a | 1.6e-6 | 0.0001 | 2 | 0.410 [0.400, 0.420] | 0.430 [0.410, 0.450] | +0.020 [-0.010, +0.050] |"
-        in (table)
+        f"| {fam}-a | 1.6e-6 | 0.0001 | 2 | 0.410 [0.400, 0.420] | 0.430 [0.410, 0.450] | +0.020 [-0.010, +0.050] "
+        "| +0.042 [+0.014, +0.070] |" in table
     )
 
 
@@ -122,9 +119,9 @@ def test_regime_stats_by_hand():
         "replayed": [0, 0, 40, 0],
         "buffer_questions": [0, 0, 200, 200],  # one generation batch replayed 40 of a buffer of 200: 0.2
     }
-    ex = _record("t", "exgrpo", 0, [0, 4], [0, 1], [0.2, 0.3], steps=steps,
+    ex = make_record("t", "exgrpo", 0, [0, 4], [0, 1], [0.2, 0.3], steps=steps,
                  replay_counts={"histogram": {"1": 2, "3": 1}})  # fmt: skip
-    grpo = _record("t", "grpo", 0, [0, 2, 3, 4], [0, 1, 2, 3], [0.2, 0.25, 0.28, 0.3],
+    grpo = make_record("t", "grpo", 0, [0, 2, 3, 4], [0, 1, 2, 3], [0.2, 0.25, 0.28, 0.3],
                    questions={"seen": 800, "never_solved": 200}, steps=steps)  # fmt: skip
     s = regimes.regime_stats([ex, grpo])
     assert s["fresh_visits_per_question"] == pytest.approx(0.16)
@@ -151,10 +148,69 @@ def test_estimate_noise_pools_the_resampled_evaluations():
     assert regimes.estimate_noise([{"final": {}}]) is None
 
 
-def test_sweep_figure_is_written(tmp_path):
-    point = {"task": "p", "step_size": 1e-6, "final_difference": {"median": 0.01, "min": -0.01, "max": 0.02},
-             "auc_difference": {"median": 0.0, "min": -0.01, "max": 0.01}}  # fmt: skip
+def test_sweep_and_difficulty_figures_are_written(tmp_path):
+    band = {"median": 0.01, "min": -0.01, "max": 0.02}
+    point = {"task": "p", "step_size": 1e-6, "never_solved": 0.2, **{key: band for key, _, _ in regimes.COMPARISONS}}
     old = {**point, "task": "old", "step_size": 3e-6}
     regimes.sweep_figure([point], [old], tmp_path / "s.png", noise=0.004)
+    regimes.difficulty_figure([point, {**point, "task": "hard", "never_solved": 0.5}], tmp_path / "d.png", 0.004)
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert Counter(p.suffix for p in tmp_path.iterdir()) == {".png": 1}
+    assert (tmp_path / "d.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert Counter(p.suffix for p in tmp_path.iterdir()) == {".png": 2}
+
+
+def test_final_is_the_mean_of_the_saved_evaluations_and_curves_are_read_between_them():
+    r = make_record("t", "grpo", 0, [0, 50, 100], [0, 100, 200], [0.2, 0.4, 0.40], final={"pass_at_1_resampled":
+                    [0.40, 0.42, 0.41, 0.41]})  # fmt: skip
+    assert regimes.final_mean(r) == pytest.approx(0.41)  # (0.40 + 0.42 + 0.41 + 0.41) / 4
+    # at 150 rollouts: halfway from 0.4 (at 100) to the final model's 0.41 (at 200)
+    assert regimes.curve_at(r, 150) == pytest.approx(0.405)
+    assert regimes.curve_at(r, 50) == pytest.approx(0.3) and regimes.curve_at(r, 500) == pytest.approx(0.41)
+    fewer = make_record("t", "exgrpo", 0, [0, 50, 100], [0, 90, 150], [0.2, 0.3, 0.43])
+    # ExGRPO ends at 150 rollouts: 0.43 against GRPO's 0.405 there; the other way round the result is the same
+    assert regimes.equal_rollouts_difference(fewer, r) == pytest.approx(0.025)
+    assert regimes.equal_rollouts_difference(r, fewer) == pytest.approx(-0.025)
+
+
+def test_difficulty_orders_settings_by_never_solved_and_pairs_arms():
+    def runs(task, never, ex_final):
+        solved = {"questions": {"seen": 100, "never_solved": never}}
+        return [
+            make_record(task, "grpo", 0, [0, 1, 2], [0, 100, 200], [0.1, 0.2, 0.3], **solved),
+            make_record(task, "exgrpo", 0, [0, 1, 2], [0, 100, 190], [0.1, 0.2, ex_final]),
+            make_record(task, "revisit_no_replay", 0, [0, 1, 2], [0, 100, 200], [0.1, 0.2, 0.25]),
+        ]
+
+    points = regimes.difficulty(runs("easy", 20, 0.28) + runs("hard", 50, 0.33), ["hard", "easy"])
+    assert [(p["task"], p["never_solved"]) for p in points] == [("easy", 0.2), ("hard", 0.5)]
+    assert points[1]["final_updates"]["median"] == pytest.approx(0.03)
+    # equal rollouts: GRPO at 190 rollouts, 0.2 + 0.1 x 0.9 = 0.29; 0.33 - 0.29
+    assert points[1]["final_rollouts"]["median"] == pytest.approx(0.04)
+    pairs = regimes.arm_pairs("hard", runs("hard", 50, 0.33))
+    assert [tuple(c["arms"]) for c in pairs] == [("exgrpo", "grpo"), ("revisit_no_replay", "exgrpo"),
+                                                 ("revisit_no_replay", "grpo")]  # fmt: skip
+    # revisit (200 rollouts) against ExGRPO (190): revisit's curve at 190, 0.2 + 0.05 x 0.9 = 0.245, minus 0.33
+    assert pairs[1]["final_rollouts"]["median"] == pytest.approx(-0.085)
+    assert "| revisit_no_replay - grpo | -0.050 [-0.050, -0.050] |" in regimes.arm_pairs_markdown(pairs)
+    assert "| hard | 0.50 |" in regimes.difficulty_markdown(points)
+
+
+def test_batch_diagnostics_by_hand():
+    def batch(fresh, fail, full, replayed, r_fail, r_full, weight=None, age=None):
+        return {"fresh_groups": fresh, "fresh_all_fail": fail, "fresh_all_pass": full, "replayed_groups": replayed,
+                "replayed_all_fail": r_fail, "replayed_all_pass": r_full, "is_weight": weight, "age": age}  # fmt: skip
+
+    w = {"tokens": 10, "mean": 1.0, "p05": 0.5, "p95": 2.0, "below_gamma": 0.1}
+    seed0 = make_record("t", "exgrpo", 0, [0, 1], [0, 1], [0.1, 0.2], batches=[
+        batch(8, 4, 0, 0, 0, 0),  # nothing replayed yet
+        batch(4, 2, 1, 4, 0, 2, w, {"mean": 3.0, "max": 5}),
+    ])  # fmt: skip
+    d = regimes.batch_diagnostics([seed0])["exgrpo"]
+    # fresh: 6 all-fail and 1 all-pass of 12 groups; replayed: 0 and 2 of 4; with a gradient per batch: fresh
+    # (12 - 7) / 2 batches = 2.5, replayed (4 - 2) / 2 = 1
+    assert d["fresh_all_fail"] == pytest.approx(0.5) and d["fresh_all_pass"] == pytest.approx(1 / 12)
+    assert d["replayed_all_fail"] == 0 and d["replayed_all_pass"] == pytest.approx(0.5)
+    assert d["fresh_with_gradient"] == pytest.approx(2.5) and d["replayed_with_gradient"] == pytest.approx(1.0)
+    assert d["is_weight_p95"] == 2.0 and d["age_mean"] == 3.0 and d["seeds"] == 1
+    table = regimes.diagnostics_markdown({"exgrpo": d})
+    assert "| fresh groups all-fail (share) | 0.500 |" in table

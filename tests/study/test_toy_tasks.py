@@ -1,4 +1,4 @@
-"""Unit tests of the toy task (exgrpo_trl.tasks.toy): tokenizer, reward, data, tiny model, warm start, evaluation."""
+"""Unit tests of the toy task (exgrpo_trl.utils.tiny): tokenizer, reward, data, tiny model, warm start, evaluation."""
 
 from __future__ import annotations
 
@@ -9,19 +9,19 @@ import pytest
 import torch
 from datasets import Dataset
 
-from exgrpo_trl.tasks import toy
-from exgrpo_trl.tasks.toy import (
+from exgrpo_trl.utils import tiny as toy
+from exgrpo_trl.utils.tiny import (
     addition_dataset,
     addition_reward,
     addition_splits,
     build_char_tokenizer,
     build_tiny_model,
     build_tiny_model_dir,
-    evaluate_pass_at_1,
     load_char_tokenizer,
     load_or_train_warm_start,
     warm_start,
 )
+from lab.toy import evaluate_pass_at_1
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,13 @@
-"""Reward functions for the `exgrpo train` tests, named in a recipe as ``tests.cli_rewards:NAME``."""
+"""Reward functions for the `exgrpo train` tests, named in a recipe as ``tests.support.cli_rewards:NAME``."""
 
 from __future__ import annotations
 
 import os
 import signal
 
-from exgrpo_trl.tasks.toy import addition_reward
+from exgrpo_trl.utils.tiny import addition_reward
+
+EOS_ID = 1  # of the char tokenizer (exgrpo_trl.utils.tiny: <pad>, <eos>, <bos>, <unk>, then the alphabet)
 
 _calls = 0
 
@@ -22,3 +24,9 @@ def interrupting_reward(completions, answer, **kwargs):
     if _calls == int(os.environ.get("EXGRPO_TEST_INTERRUPT_AT", "0")):
         os.kill(os.getpid(), signal.SIGINT)
     return addition_reward(completions, answer, **kwargs)
+
+
+def short_completion_reward(completion_ids, **kwargs):
+    """Solved when the completion ends within 6 tokens: about half of an untrained model's rollouts (as the tests'
+    synthetic reward), so the advantages are not all 0 and an adapter moves away from the identity."""
+    return [1.0 if EOS_ID in ids and len(ids) <= 6 else 0.0 for ids in completion_ids]

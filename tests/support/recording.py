@@ -1,7 +1,7 @@
 """`RecordingTrainer`: the one ExGRPOTrainer subclass through which tests watch replay from inside.
 
-Used by the single-process replay tests, the vLLM tests (tests/vllm) and the multi-process script (tests/mp). It adds
-no behaviour: every override calls `super()` and returns its result unchanged. It records
+Used by the single-process replay tests, the vLLM tests (tests/vllm) and the multi-process script
+(tests/multiprocess). It adds no behaviour: every override calls `super()` and returns its result unchanged. It records
 
 - `batches`, one dict per training generation batch: ``before`` (the buffer the plan saw: ``questions``,
   ``trajectories`` {key: [completion ids]}, ``retired``, ``active``), ``plan`` (the `ReplayPlan` or None),
@@ -173,7 +173,9 @@ class RecordingTrainer(ExGRPOTrainer):
                 {
                     "step": self.state.global_step,
                     "trajectories": [
-                        [pending.rows[local].key, ids] for local, (ids, *_) in sorted(pending.trajectories.items())
+                        [row.key, row.completion_ids]
+                        for _, row in sorted(pending.rows.items())
+                        if row.completion_ids is not None
                     ],
                     "groups": [[g.group, g.key, g.k] for g in pending.groups],
                 }

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
-
-from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
-from .recording import RecordingTrainer
+from exgrpo_trl.trainer import BatchKey
+from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.support.recording import RecordingTrainer
 
 
 def trainer_for(tmp_path, tokenizer, cls=ExGRPOTrainer, **overrides):
@@ -39,7 +39,7 @@ def test_clip_removed_on_hand_made_ratios(tmp_path, tokenizer, advantage, clippe
         )
     inputs["old_per_token_logps"] = logps - torch.tensor([[1.6, 1.0, 0.5, 1.0]]).log()
     assert trainer._compute_loss(trainer.model, inputs).item() == pytest.approx(clipped, abs=1e-5)
-    unclipped = {**inputs, "exgrpo_unclipped": torch.ones(1, dtype=torch.bool)}
+    unclipped = {**inputs, BatchKey.UNCLIPPED: torch.ones(1, dtype=torch.bool)}
     assert trainer._compute_loss(trainer.model, unclipped).item() == pytest.approx(removed, abs=1e-5)
     assert (trainer.epsilon_low, trainer.epsilon_high) == (0.2, 0.2)  # restored after the loss
 
@@ -51,11 +51,11 @@ def test_only_batches_generated_after_the_switch(tmp_path, tokenizer):
     trainer.train()
     actives = [b["before"]["active"] for b in trainer.batches]
     assert any(actives) and not all(actives)
-    assert [("exgrpo_unclipped" in b["output"]) for b in trainer.batches] == actives
+    assert [(BatchKey.UNCLIPPED in b["output"]) for b in trainer.batches] == actives
     off = trainer_for(tmp_path / "off", tokenizer, RecordingTrainer, max_steps=2, replay_start_pass_rate=0.0,
                       remove_clip_after_replay_start=False)  # fmt: skip
     off.train()
-    assert not any("exgrpo_unclipped" in b["output"] for b in off.batches)
+    assert not any(BatchKey.UNCLIPPED in b["output"] for b in off.batches)
 
 
 def test_rejected_where_there_is_no_ppo_clip(tmp_path, tokenizer):

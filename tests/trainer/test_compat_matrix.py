@@ -1,4 +1,4 @@
-"""Compatibility matrix (issue 19): ExGRPOTrainer under each configuration a GRPOTrainer user may have, with replay
+"""Compatibility matrix: ExGRPOTrainer under each configuration a GRPOTrainer user may have, with replay
 really firing.
 
 Every case trains the tiny model of `conftest.py` on its synthetic task (an untrained model ends about half of its
@@ -39,9 +39,9 @@ import torch
 
 from exgrpo_trl import ExGRPOConfig
 from exgrpo_trl.buffer import question_key
-
-from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
-from .recording import RecordingTrainer
+from exgrpo_trl.trainer import BatchKey
+from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.support.recording import RecordingTrainer
 
 K = 8
 RUN_TIMES: dict[str, float] = {}
@@ -145,11 +145,11 @@ MULTI_TURN = ("tools", "environment_factory", "environment_factory dict", "rollo
 
 
 def multi_turn_setup(setup: str, rewards: RewardLog):
-    """The calculator task of tests/tool_tasks.py in one multi-turn mode: (tokenizer, model, dataset, reward
+    """The calculator task of tests/support/tool_tasks.py in one multi-turn mode: (tokenizer, model, dataset, reward
     functions, GRPOTrainer keywords). The environment-owned reward has its own exact checks in test_multi_turn.py."""
     from datasets import concatenate_datasets
 
-    from .tool_tasks import (
+    from tests.support.tool_tasks import (
         add,
         build_tool_tokenizer,
         calculator_dataset,
@@ -211,7 +211,7 @@ def build_run(setup: str, config: dict, out_dir, tokenizer, model_dir) -> Run:
         config.setdefault("max_completion_length", 32)
         config.setdefault("learning_rate", 1e-3)
     elif setup == "conversational":
-        from exgrpo_trl.tasks.toy import build_char_tokenizer
+        from exgrpo_trl.utils.tiny import build_char_tokenizer
 
         processing_class = build_char_tokenizer()
         processing_class.chat_template = CHAT_TEMPLATE
@@ -324,7 +324,7 @@ def check_common(run: Run) -> None:
         n_exp = min(before["questions"], math.floor(cfg.replay_ratio * num_groups + 1e-9))
         assert (0 if plan is None else len(plan.group_indices)) == n_exp, b
         completions = row_completions(run, b)
-        replay_mask = out.get("exgrpo_replay_mask", torch.zeros(n_rows, dtype=torch.bool))
+        replay_mask = out.get(BatchKey.REPLAY_MASK, torch.zeros(n_rows, dtype=torch.bool))
         assert int(replay_mask.sum()) == n_exp
         if plan is not None:
             for j, group in enumerate(plan.group_indices):
@@ -602,7 +602,7 @@ def check_mask_truncated(run: Run, base: Run) -> None:
             truncated = not ids or ids[-1] not in stop_ids  # TRL's rule: ends with neither EOS nor pad
             assert bool(mask[r].sum() == 0) == truncated
             masked += truncated
-        replayed = batch["output"].get("exgrpo_replay_mask", torch.zeros(len(mask), dtype=torch.bool))
+        replayed = batch["output"].get(BatchKey.REPLAY_MASK, torch.zeros(len(mask), dtype=torch.bool))
         assert not (mask.sum(dim=1) == 0)[replayed].any()  # a stored trajectory ends with EOS: never masked
     assert masked > 0
     paired_until(1)(run, base)
@@ -766,7 +766,7 @@ CASES = [
     Case("temperature=0.7", {"temperature": 0.7}, check=check_temperature, paired="dr_grpo"),
     Case("log_completions", {"log_completions": True}, check=check_log_completions),
     Case("shuffle_dataset=False", {"shuffle_dataset": False}, check=check_no_shuffle),
-    # multi-turn rollouts (issue 27): tools run by TRL's loop, environments reset from the dataset rows, a rollout
+    # multi-turn rollouts: tools run by TRL's loop, environments reset from the dataset rows, a rollout
     # function with its own tool loop and env_mask
     *[Case(setup, {}, setup=setup, check=check_multi_turn) for setup in MULTI_TURN],
 ]

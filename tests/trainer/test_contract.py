@@ -8,8 +8,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
-
-from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
 
 
 def params(fn):
@@ -124,7 +123,8 @@ def test_runtime_contract(tmp_path, tokenizer):
 
 
 def test_environment_owned_data_rejected(tmp_path, tokenizer):
-    # tools, environments and rollout functions train (tests/test_multi_turn.py); an environment that picks its own
+    # tools, environments and rollout functions train (tests/trainer/test_multi_turn.py); an environment that picks
+    # its own
     # questions (no train_dataset) cannot have a question replayed, and says so before TRL builds anything
     with pytest.raises(ValueError, match="needs a train_dataset with a 'prompt' column when environment_factory"):
         ExGRPOTrainer(

@@ -5,8 +5,8 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
-
-from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
+from exgrpo_trl.trainer import BatchKey
+from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
 
 
 @pytest.mark.parametrize(
@@ -103,8 +103,8 @@ def test_replayed_rows_share_trls_normaliser(tmp_path, tokenizer, loss_type):
     batch = _batch(grpo, tokenizer)
     replay = {
         **batch,
-        "exgrpo_replay_mask": torch.tensor([False, True, False, True]),
-        "exgrpo_behaviour_logps": torch.full((4, 5), -7.0),
+        BatchKey.REPLAY_MASK: torch.tensor([False, True, False, True]),
+        BatchKey.BEHAVIOUR_LOGPS: torch.full((4, 5), -7.0),
     }  # ignored without IS correction
 
     for trainer in (grpo, ex):
@@ -122,8 +122,8 @@ def test_replayed_rows_share_trls_normaliser(tmp_path, tokenizer, loss_type):
 
 
 def _multi_turn_setup(mode: str):
-    """The task, reward and GRPOTrainer keyword of one multi-turn rollout mode (tests/tool_tasks.py)."""
-    from .tool_tasks import add, calculator_reward, calculator_rollout, env_classes, mul, rollout_reward
+    """The task, reward and GRPOTrainer keyword of one multi-turn rollout mode (tests/support/tool_tasks.py)."""
+    from tests.support.tool_tasks import add, calculator_reward, calculator_rollout, env_classes, mul, rollout_reward
 
     calculator, scored, adder, multiplier = env_classes()
     return {
@@ -148,7 +148,7 @@ def test_replay_ratio_zero_is_grpo_bitwise_multi_turn(tmp_path, monkeypatch, mod
     steps."""
     from datasets import concatenate_datasets
 
-    from .tool_tasks import build_tool_tokenizer, calculator_dataset, make_tool_model, one_thread
+    from tests.support.tool_tasks import build_tool_tokenizer, calculator_dataset, make_tool_model, one_thread
 
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     tokenizer = build_tool_tokenizer()

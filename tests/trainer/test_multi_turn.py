@@ -3,8 +3,8 @@ malformed and failing tool calls, and `rollout_func` -- the cases of TRL's own G
 against ExGRPOTrainer with replay firing -- plus the calculator task trained a few dozen steps and resumed, and the
 replayed-token loss and entropy score of a row with tool tokens derived by hand.
 
-Every run uses the stand-ins of tests/tool_tasks.py: a tiny model sampling under a grammar, so its rollouts call
-tools through TRL's real tool loop and end with EOS, and about a quarter of them solve their question: successful
+Every run uses the stand-ins of tests/support/tool_tasks.py: a tiny model sampling under a grammar, so its rollouts
+call tools through TRL's real tool loop and end with EOS, and about a quarter of them solve their question: successful
 multi-turn trajectories are stored from the first batch and replayed (2 of 4 groups) from the second.
 """
 
@@ -19,11 +19,11 @@ import torch
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import question_key
-from exgrpo_trl.trainer import ENVIRONMENT_OWNED_DATA, IMAGE_INPUTS
-
-from .conftest import config_kwargs
-from .recording import RecordingTrainer
-from .tool_tasks import (
+from exgrpo_trl.checks import ENVIRONMENT_OWNED_DATA, IMAGE_INPUTS
+from exgrpo_trl.trainer import BatchKey
+from tests.helpers import config_kwargs
+from tests.support.recording import RecordingTrainer
+from tests.support.tool_tasks import (
     ASYNC_ADD_OR_MUL,
     GOOD_FAILING_OR_MALFORMED,
     TOOL_CALLS,
@@ -335,7 +335,7 @@ def test_environment_owned_data_is_rejected(tmp_path):
 def test_image_inputs_are_rejected(tmp_path, tokenizer):
     from datasets import Dataset
 
-    from .conftest import make_model, make_reward
+    from tests.helpers import make_model, make_reward
 
     dataset = Dataset.from_dict({"prompt": ["1+1="] * 8, "image": [None] * 8})
     with pytest.raises(NotImplementedError) as info:
@@ -449,8 +449,8 @@ def test_replayed_row_with_tool_tokens_by_hand(tmp_path):
         "tool_mask": tool_mask,
         "advantages": torch.tensor([0.8, -0.3]),
         "num_items_in_batch": torch.tensor(7),
-        "exgrpo_replay_mask": torch.tensor([True, False]),
-        "exgrpo_behaviour_logps": behaviour,
+        BatchKey.REPLAY_MASK: torch.tensor([True, False]),
+        BatchKey.BEHAVIOUR_LOGPS: behaviour,
     }
     assert len(prompt) == len(completion) == 6
     fresh_tokens = 3

@@ -16,7 +16,7 @@ from safetensors.numpy import load_file
 from exgrpo_trl.buffer import ExperienceBuffer, Trajectory, shortlist_candidates
 from exgrpo_trl.cli.inspect import main as inspect_main
 from exgrpo_trl.cli.inspect import summarize
-from exgrpo_trl.replay import GroupOutcome, assign_rows, batch_outcome, collect, commit
+from exgrpo_trl.replay import GroupOutcome, StoredRow, assign_rows, batch_outcome, collect, commit
 from exgrpo_trl.state import (
     ARRAYS_FILENAME,
     META_FILENAME,
@@ -167,7 +167,10 @@ def test_collect_stores_only_what_the_model_ended():
 def test_commit_keeps_masks_and_records():
     buffer = ExperienceBuffer(4)
     gathered = [
-        ([GroupOutcome(0, "a", 2, {"prompt": "a"})], [(1, "a", [5, 6, EOS], [-1.0, -2.0, -3.0], [1, 0, 1], RECORD)])
+        (
+            [GroupOutcome(0, "a", 2, {"prompt": "a"})],
+            [StoredRow(1, "a", RECORD, [5, 6, EOS], [-1.0, -2.0, -3.0], [1, 0, 1])],
+        )
     ]
     commit(buffer, gathered, step=4, is_main_process=True, k=4)
     (t,) = buffer.questions["a"].trajectories

@@ -8,10 +8,9 @@ import torch
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import question_key
 from exgrpo_trl.replay import RowAssignment
-from exgrpo_trl.trainer import REPLAYED_COLUMN, GenerationBatch
-
-from .conftest import config_kwargs, make_model, make_reward, synthetic_dataset
-from .recording import RecordingTrainer
+from exgrpo_trl.trainer import REPLAYED_COLUMN, BatchKey, GenerationBatch
+from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.support.recording import RecordingTrainer
 
 
 def run(tmp_path, tokenizer, dataset=None, **overrides):
@@ -40,7 +39,7 @@ def test_mixed_groups(replay_run):
         num_groups = len(batch["prompts"]) // k  # 32 rows -> 4 groups
         expected = min(before["questions"], math.floor(0.5 * num_groups))
         assert (0 if plan is None else len(plan.group_indices)) == expected
-        replay_mask = out.get("exgrpo_replay_mask", torch.zeros(len(batch["prompts"]), dtype=torch.bool))
+        replay_mask = out.get(BatchKey.REPLAY_MASK, torch.zeros(len(batch["prompts"]), dtype=torch.bool))
         assert int(replay_mask.sum()) == expected
         if plan is None:
             continue
@@ -56,7 +55,7 @@ def test_mixed_groups(replay_run):
             spliced = out["completion_ids"][slot, :length].tolist()
             assert spliced == plan.completion_ids[j]  # the selected trajectory, token for token
             assert spliced in before["trajectories"][plan.keys[j]]  # ... which was stored for that question
-            logps = out["exgrpo_behaviour_logps"][slot]
+            logps = out[BatchKey.BEHAVIOUR_LOGPS][slot]
             assert torch.all(logps[:length] < 0) and torch.all(logps[length:] == 0)
             assert plan.keys[j] not in before["retired"]  # retired questions are never replayed
         assert len(set(plan.keys)) == len(plan.keys)
@@ -169,7 +168,7 @@ def test_revisit_without_replay(tmp_path, tokenizer):
     revisited = 0
     for batch in trainer.batches:
         plan, out = batch["plan"], batch["output"]
-        assert "exgrpo_replay_mask" not in out and batch["splice"] == {}
+        assert BatchKey.REPLAY_MASK not in out and batch["splice"] == {}
         assert batch["replay_rows"] == [-1] * len(batch["prompts"])
         if plan is None:
             continue

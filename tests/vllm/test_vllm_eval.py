@@ -7,7 +7,7 @@ import pytest
 
 from exgrpo_trl import eval as ev
 
-from .test_vllm_replay import vllm_env
+from .helpers import vllm_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -6,7 +6,7 @@ Each mode trains a tiny locally built model for a few steps and records, through
 - the plan, the buffer as the plan saw it, and the batch TRL scored;
 - after every weight sync, vLLM's log-probs of a fixed sequence (`prompt_logprobs`) and the trained model's.
 
-The model is Llama-shaped, not the Qwen2 of `exgrpo_trl.tasks.toy`: with a Llama config vLLM loads the char tokenizer
+The model is Llama-shaped, not the Qwen2 of `exgrpo_trl.utils.tiny`: with a Llama config vLLM loads the char tokenizer
 saved beside the model as it is, so vLLM stops on our `<eos>` exactly as TRL's tokenizer sees it; with a Qwen2 config
 vLLM loads Qwen's byte-level tokenizer class instead. Hidden 128 with 2 heads (head size 64: vLLM's CPU attention
 has no kernel for head size 16), float32 on both sides (vLLM would otherwise run a float32 checkpoint in bfloat16,
@@ -29,8 +29,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ..conftest import config_kwargs, make_reward, synthetic_dataset
+from exgrpo_trl.trainer import BatchKey
+from tests.helpers import config_kwargs, make_reward, synthetic_dataset
+
 from . import cpu_weight_sync
+from .helpers import vllm_env
 
 pytestmark = [
     pytest.mark.vllm,
@@ -52,7 +55,7 @@ FIXED_TEXT = "12+34=46"  # + <eos>: the sequence whose log-probs are compared af
 def build_model_dir(path: Path) -> str:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from exgrpo_trl.tasks.toy import build_char_tokenizer
+    from exgrpo_trl.utils.tiny import build_char_tokenizer
 
     tokenizer = build_char_tokenizer(save_dir=path)
     ids = {
@@ -164,22 +167,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def vllm_env(work: Path) -> dict[str, str]:
-    """Keep vLLM on loopback, small, offline, and inside the work directory."""
-    (work / "tmp").mkdir(exist_ok=True)
-    return {
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; otherwise the KV cache takes ~90% of RAM
-        "VLLM_HOST_IP": "127.0.0.1",  # otherwise vLLM binds its internal queues to the external interface
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "TMPDIR": str(work / "tmp"),  # vLLM leaves sockets and compile caches behind
-        "VLLM_CACHE_ROOT": str(work / "vllm-cache"),
-    }
 
 
 @contextlib.contextmanager
@@ -315,7 +302,7 @@ def run_exgrpo(mode: str, work: Path) -> dict:
         )
         started = time.monotonic()
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        from ..recording import RecordingTrainer
+        from tests.support.recording import RecordingTrainer
 
         trainer = RecordingTrainer(
             model=model,
@@ -408,7 +395,7 @@ def test_stored_trajectories_spliced_into_the_right_rows(vllm_run):
             batch["before"]["questions"], GROUPS // 2
         )  # rho = 0.5: floor(0.5 * 4 groups), at most the buffer's size
         assert (len(plan.group_indices) if plan else 0) == n_exp
-        mask = out.get("exgrpo_replay_mask", torch.zeros(K * GROUPS, dtype=torch.bool))
+        mask = out.get(BatchKey.REPLAY_MASK, torch.zeros(K * GROUPS, dtype=torch.bool))
         replay_rows = {g * K: j for j, g in enumerate(plan.group_indices)} if plan else {}
         assert sorted(batch["splice"]) == sorted(replay_rows)
         assert [bool(m) for m in mask] == [r in replay_rows for r in range(K * GROUPS)]

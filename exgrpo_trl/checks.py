@@ -1,0 +1,157 @@
+"""What `ExGRPOTrainer` checks when it is built: arguments it cannot train with (one clear error before TRL does any
+work) and settings that would train, but not as the user expects (one warning each)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from trl import GRPOConfig
+
+from .config import ExGRPOConfig
+from .loss import PPO_CLIPPED_LOSS_TYPES, SUPPORTED_LOSS_TYPES
+from .replay import replay_count
+
+ENVIRONMENT_OWNED_DATA = (
+    "ExGRPOTrainer needs a train_dataset with a 'prompt' column when environment_factory is given: without one the "
+    "environment picks each question in reset(), so a replayed question's fresh rollouts cannot be put back on it; "
+    "pass the questions as a train_dataset (each row is given to reset(**row)), or train with GRPOTrainer."
+)
+IMAGE_INPUTS = (
+    "ExGRPOTrainer does not support image inputs: the experience buffer keeps each question's dataset row in the "
+    "checkpoint's JSON state and scores stored trajectories with text-only forward passes; train with GRPOTrainer."
+)
+
+
+def threshold_mismatch(
+    rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, solved: torch.Tensor, threshold: float, k: int
+) -> str | None:
+    """A warning when `success_reward_threshold` cannot tell rollouts apart in this batch, else None.
+
+    Rewards that vary within a group while every rollout counts as solved (a reward such as 1 + 4 * correct with the
+    default threshold 1.0), or while none does (correct answers scoring below the threshold), mean the threshold does
+    not sit between a wrong and a right answer: success counts are all K/K (or all 0), Pass@1 is wrong, and the
+    buffer stays empty. Totals as `replay.batch_outcome` computes them (NaN rewards count as 0)."""
+    total = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1).view(-1, k)
+    if not bool((total.amax(dim=1) > total.amin(dim=1)).any()):
+        return None  # no group tells rollouts apart: nothing to judge the threshold by
+    low, high = total.min().item(), total.max().item()
+    if bool(solved.all()):
+        what = "every rollout of this batch counts as solved"
+        effect = "batch Pass@1 reads 1.0, every question is retired and the experience buffer stays empty"
+    elif not bool(solved.any()):
+        what = "no rollout of this batch counts as solved"
+        effect = "nothing is stored in the experience buffer and the delayed start cannot be reached"
+    else:
+        return None
+    return (
+        f"ExGRPO: {what} (weighted total reward >= success_reward_threshold={threshold:g}), yet rewards vary within "
+        f"groups (from {low:g} to {high:g}): {effect}. Set success_reward_threshold to the weighted total reward of a "
+        f"correct answer (here perhaps {high:g})."
+    )
+
+
+def replay_never_fires(cfg: ExGRPOConfig) -> str | None:
+    """A warning when the generation batch is too small for `replay_ratio` to replay a single group, else None.
+
+    With TRL's default batch shape (8 rows, K = 8: one question per generation batch) n_exp = floor(rho * 1) = 0 at
+    every step: nothing is ever replayed, and ExGRPOTrainer trains GRPO with retirement."""
+    if not cfg.replay_ratio:
+        return None
+    groups = cfg.generation_batch_size // cfg.num_generations  # questions per generation batch, all ranks together
+    if replay_count(groups, cfg.replay_ratio, groups) > 0:
+        return None
+    needed = math.ceil(1.0 / cfg.replay_ratio - 1e-9)
+    return (
+        f"ExGRPO: replay_ratio={cfg.replay_ratio:g} will never replay anything: a generation batch of "
+        f"{cfg.generation_batch_size} rows holds {groups} question(s) of num_generations={cfg.num_generations} "
+        f"rollouts, and floor({cfg.replay_ratio:g} x {groups}) = 0 of them come from the buffer. Give a generation "
+        f"batch at least {needed} questions (generation_batch_size >= {needed * cfg.num_generations}, or more "
+        "steps_per_generation, gradient_accumulation_steps or per_device_train_batch_size), or raise replay_ratio; "
+        "replay_ratio=0 trains GRPO."
+    )
+
+
+def save_steps_inside_generation_batches(cfg: GRPOConfig) -> str | None:
+    """A warning when `save_steps` puts checkpoints inside generation batches, else None.
+
+    TRL generates once per `steps_per_generation * num_iterations` micro-batches and trains on that batch until the
+    next generation; a checkpoint keeps none of it. A run resumed from a checkpoint inside a generation batch
+    generates that batch again, with other samples: it trains on correctly, but not bitwise as the run it came from
+    would have. (Saving the rest of the batch instead would mean saving TRL's private buffered inputs, whose layout
+    changes between TRL versions; a save_steps on the batch boundaries costs nothing.)"""
+    strategy = getattr(cfg.save_strategy, "value", cfg.save_strategy)
+    save_steps = cfg.save_steps
+    if strategy != "steps" or not save_steps:
+        return None
+    if save_steps < 1:  # a ratio of the run
+        if cfg.max_steps <= 0:
+            return None
+        save_steps = math.ceil(cfg.max_steps * save_steps)
+    save_steps = int(save_steps)
+    micro = cfg.steps_per_generation * cfg.num_iterations  # micro-batches from one generation to the next
+    accumulation = cfg.gradient_accumulation_steps
+    if save_steps * accumulation % micro == 0:
+        return None
+    every = micro // math.gcd(micro, accumulation)  # optimizer steps from one generation boundary to the next
+    return (
+        f"ExGRPO: save_steps={save_steps} puts checkpoints inside generation batches (one every {every} optimizer "
+        f"steps: steps_per_generation={cfg.steps_per_generation} x num_iterations={cfg.num_iterations} / "
+        f"gradient_accumulation_steps={accumulation}); a run resumed from one generates that batch again and does not "
+        f"continue bitwise. save_steps that are multiples of {every} resume exactly."
+    )
+
+
+def check_prompt_column(dataset, name: str) -> None:
+    """GRPOTrainer reads each row's 'prompt' only at the first step, where a missing column is a bare KeyError."""
+    columns = getattr(dataset, "column_names", None)  # None: no dataset, or one that does not know its columns
+    if columns is not None and "prompt" not in columns:
+        raise ValueError(
+            f"{name} has no 'prompt' column (its columns: {', '.join(map(repr, columns)) or 'none'}); GRPOTrainer and "
+            "ExGRPOTrainer read each question from 'prompt': rename the question column, e.g. "
+            "`dataset.rename_column('question', 'prompt')`."
+        )
+
+
+def check_arguments(params: dict[str, Any]) -> None:
+    """Before GRPOTrainer.__init__: the arguments (`params`, bound to GRPOTrainer's signature) ExGRPO cannot train
+    with. Without `args`, an ExGRPOConfig of the paper's defaults is put in."""
+    if params.get("environment_factory") is not None:
+        columns = getattr(params.get("train_dataset"), "column_names", None)
+        if params.get("train_dataset") is None or (columns is not None and "prompt" not in columns):
+            raise ValueError(ENVIRONMENT_OWNED_DATA)
+    config = params.get("args")
+    if config is None:
+        params["args"] = ExGRPOConfig("ExGRPO")
+    elif not isinstance(config, ExGRPOConfig):
+        kind = "a GRPOConfig" if isinstance(config, GRPOConfig) else type(config).__name__
+        hint = (
+            "Convert it with `ExGRPOConfig.from_grpo_config(cfg, replay_ratio=0.5, ...)` (same GRPO settings and "
+            "batch sizes, ExGRPO's fields as keywords)"
+            if isinstance(config, GRPOConfig)
+            else "Build one with `ExGRPOConfig(output_dir=..., ...)`"
+        )
+        raise TypeError(f"ExGRPOTrainer needs an ExGRPOConfig, got {kind}. {hint}.")
+    columns = getattr(params.get("train_dataset"), "column_names", None) or []
+    if "image" in columns or "images" in columns:
+        raise NotImplementedError(IMAGE_INPUTS)
+    check_prompt_column(params.get("train_dataset"), "train_dataset")
+    eval_dataset = params.get("eval_dataset")
+    for name, dataset in eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]:
+        check_prompt_column(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset")
+
+
+def check_built(cfg: ExGRPOConfig, loss_type: str, is_vlm: bool) -> list[str]:
+    """After GRPOTrainer.__init__ (which resolves the model and the loss): errors for what ExGRPO cannot train, and
+    the warnings to log for settings that train but not as expected."""
+    if is_vlm:
+        raise NotImplementedError(IMAGE_INPUTS)
+    if loss_type not in SUPPORTED_LOSS_TYPES:
+        raise ValueError(f"ExGRPOTrainer supports loss_type in {SUPPORTED_LOSS_TYPES}, got {loss_type!r}")
+    if cfg.remove_clip_after_replay_start and loss_type not in PPO_CLIPPED_LOSS_TYPES:
+        raise ValueError(
+            f"remove_clip_after_replay_start removes the PPO clip of loss_type in {PPO_CLIPPED_LOSS_TYPES}; "
+            f"loss_type {loss_type!r} has none to remove."
+        )
+    return [w for w in (replay_never_fires(cfg), save_steps_inside_generation_batches(cfg)) if w is not None]

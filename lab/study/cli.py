@@ -1,0 +1,83 @@
+"""`python -m lab.study`: train the runs that are missing, then write the report.
+
+python -m lab.study --tasks countdown-hard --arms grpo,exgrpo --seeds 0-4
+python -m lab.study --report-only
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .report import report
+from .run import run_one
+from .schedule import _parse_seeds, run_missing, run_path
+from .tasks import ARMS, DEFAULT_CACHE, DEFAULT_RESULTS, MAIN_ARMS, QUICK, TASKS, build_tasks, parse_overrides
+
+DESCRIPTION = "GRPO against ExGRPO and ablations on the toy tasks, over seeds; resumable."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m lab.study", description=DESCRIPTION)
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)}")
+    p.add_argument("--arms", default=",".join(MAIN_ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    p.add_argument("--seeds", default="0-4", help="e.g. 0-4 or 0,2,5 (default 0-4)")
+    p.add_argument("--results", type=Path, default=Path(DEFAULT_RESULTS), help=f"default {DEFAULT_RESULTS}")
+    p.add_argument("--cache-dir", type=Path, default=Path(DEFAULT_CACHE), help="warm starts and run logs")
+    p.add_argument("--jobs", type=int, default=2, help="runs trained at a time (default 2, one thread each)")
+    p.add_argument("--report-only", action="store_true", help="train nothing: tables and figure from saved runs")
+    p.add_argument("--quick", action="store_true", help="a smoke study in seconds: " + str(QUICK))
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a task setting for every task of this call, e.g. learning_rate=2e-4 or steps=600 (use its own "
+        "--results folder: saved runs are found by task, arm and seed only)",
+    )
+    p.add_argument("--run-one", nargs=3, metavar=("TASK", "ARM", "SEED"), help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        tasks = build_tasks(args.quick, parse_overrides(args.set))
+    except ValueError as exc:
+        print(f"lab.study: {exc}", file=sys.stderr)
+        return 2
+    if args.run_one:
+        from exgrpo_trl.utils.quiet import quiet
+
+        task, arm, seed = args.run_one
+        with quiet():
+            run_one(
+                tasks[task],
+                arm,
+                int(seed),
+                run_path(args.results, task, arm, int(seed)),
+                str(args.cache_dir),
+                str(Path(args.cache_dir) / "study-trainer"),
+            )
+        return 0
+    names = [t for t in args.tasks.split(",") if t]
+    arms = [a for a in args.arms.split(",") if a]
+    for name, known, what in [(n, TASKS, "task") for n in names] + [(a, ARMS, "arm") for a in arms]:
+        if name not in known:
+            print(f"lab.study: unknown {what} {name!r}; known: {', '.join(known)}", file=sys.stderr)
+            return 2
+    seeds = _parse_seeds(args.seeds)
+    failures = []
+    if not args.report_only:
+        todo = [(t, a, s) for t in names for a in arms for s in seeds if not run_path(args.results, t, a, s).exists()]
+        done = len(names) * len(arms) * len(seeds) - len(todo)
+        print(f"lab.study: {len(todo)} runs to train, {done} found in {args.results}", flush=True)
+        failures = run_missing(args, tasks, todo) if todo else []
+    _, table = report(args.results, None, None)  # every saved run: a partial call must not shrink the report
+    print(table)
+    print(f"results: {args.results / 'results.json'}, {args.results / 'results.md'}, {args.results / 'study.png'}")
+    for failure in failures:
+        print(failure, file=sys.stderr)
+    return 1 if failures else 0

@@ -1,0 +1,361 @@
+"""One run of the study: one (task, arm, seed) trained from the task's warm start, evaluated as it goes, recorded.
+
+`run_one` trains with TRL's `GRPOTrainer` or `ExGRPOTrainer` (public API and config switches only), evaluates
+held-out pass@1 every `eval_every` updates, and saves one small JSON: settings, curves, per-step logs, per-generation-
+batch records (`batch_record`), end-of-run probes and final figures. An ExGRPOTrainer run checkpoints every
+`checkpoint_every(task)` updates, and a killed one resumes from its newest complete checkpoint to the same record.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import json
+import math
+import os
+import shutil
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from .tasks import ARMS, PROBE_QUESTIONS, Task
+
+
+def _config_kwargs(task: Task, seed: int, output_dir: str) -> dict:
+    return dict(
+        output_dir=output_dir,
+        max_steps=task.steps,
+        per_device_train_batch_size=task.prompts_per_step * task.num_generations,
+        steps_per_generation=task.steps_per_generation,
+        num_generations=task.num_generations,
+        max_completion_length=task.max_completion_length,
+        temperature=1.0,
+        learning_rate=task.learning_rate,
+        lr_scheduler_type="constant",
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        beta=0.0,
+        loss_type="dr_grpo",
+        scale_rewards="none",
+        seed=seed,
+        bf16=False,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+
+
+def _r(x: float | None, digits: int = 4) -> float | None:
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(float(x), digits)
+
+
+def _evaluation(task: Task, model, tokenizer, dataset, seed: int) -> dict:
+    result = task.evaluate(model, tokenizer, dataset, task.eval_samples, seed)
+    return {
+        "overall": _r(result["overall"]),
+        "by_difficulty": {str(k): _r(v) for k, v in sorted(result["by_difficulty"].items())},
+    }
+
+
+def _rows_by_key(dataset) -> dict[str, dict]:
+    from exgrpo_trl.buffer import question_key
+
+    return {question_key(row["prompt"]): row for row in dataset}
+
+
+STUDY_STATE = "study_state.json"  # the recorder's state beside a run's checkpoint, written after the trainer's save
+
+
+def checkpoint_every(task: Task) -> int:
+    """A run checkpoints at updates that end a generation batch and are evaluation steps (their curve point is in)."""
+    return math.lcm(task.eval_every, task.steps_per_generation)
+
+
+def _resume_point(output_dir: str, settings: dict) -> tuple[str | None, dict | None]:
+    """The newest checkpoint of `output_dir` that is complete and holds a study state for these `settings`, and that
+    state; the checkpoints newer than it (cut short) are deleted, and everything there when none qualifies (a run of
+    other settings left it)."""
+    from exgrpo_trl.checkpoints import checkpoint_problems, checkpoint_step
+
+    root = Path(output_dir)
+    found = sorted(
+        (
+            (step, path)
+            for path in (root.iterdir() if root.is_dir() else [])
+            if (step := checkpoint_step(path.name)) is not None
+        ),
+        reverse=True,
+    )
+    for step, path in found:
+        try:
+            state = json.loads((path / STUDY_STATE).read_text())
+        except (OSError, ValueError):
+            state = None
+        if state is not None and state.get("settings") == settings and not checkpoint_problems(path):
+            for newer_step, newer in found:
+                if newer_step > step:
+                    shutil.rmtree(newer, ignore_errors=True)
+            return str(path), state
+    shutil.rmtree(root, ignore_errors=True)
+    return None, None
+
+
+def progress_path(cache_dir: str | Path, task: str, arm: str, seed: int) -> Path:
+    """Where a run in progress writes ``STEP MAX_STEPS`` after each step, for the parent's progress bars."""
+    return Path(cache_dir) / "study-logs" / f"{task}-{arm}-seed{seed}.progress"
+
+
+def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str, workdir: str) -> dict:
+    """Train one arm of one task with one seed, and save its JSON (atomically) to `out_path`."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from exgrpo_trl.checkpoints import CHECKPOINT_PREFIX, checkpoint_step
+
+    arm = ARMS[arm_name]
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    model, tokenizer = task.load(cache_dir, task.warm_start_steps, False)
+    warm = copy.deepcopy(model)
+    train_set, eval_set = task.splits(task.train_questions, task.eval_questions, cache_dir)
+    kwargs = _config_kwargs(task, seed, os.path.join(workdir, f"{task.name}-{arm_name}-seed{seed}"))
+    if arm.exgrpo is None:
+        from trl import GRPOConfig, GRPOTrainer
+
+        config, trainer_cls = GRPOConfig(**kwargs), GRPOTrainer
+    else:
+        from exgrpo_trl.config import ExGRPOConfig
+        from exgrpo_trl.trainer import ExGRPOTrainer
+
+        # checkpoints are how a killed run resumes; they change nothing in training, so the record leaves them out
+        saves = dict(save_strategy="steps", save_steps=checkpoint_every(task), save_total_limit=2)
+        config, trainer_cls = ExGRPOConfig(**{**kwargs, **saves}, **{**task.exgrpo, **arm.exgrpo}), ExGRPOTrainer
+    settings = {
+        "task": {
+            f.name: getattr(task, f.name) for f in dataclasses.fields(task) if not callable(getattr(task, f.name))
+        },
+        "arm": dataclasses.asdict(arm),
+        "trainer": trainer_cls.__name__,
+        "config": {k: v for k, v in kwargs.items() if k not in ("output_dir", "report_to", "disable_tqdm")},
+    }
+    settings = json.loads(json.dumps(settings))  # as a saved state holds it
+    resume, saved = _resume_point(kwargs["output_dir"], settings) if arm.exgrpo is not None else (None, None)
+    seen: Counter = Counter()  # training question -> rollouts scored (fresh and replayed rows alike)
+    solved: Counter = Counter()  # training question -> successful rollouts among them
+
+    groups_now: dict[str, float] = {}  # the zero-variance shares of the generation batch being scored
+
+    @functools.wraps(task.reward)
+    def reward(prompts, completions, **columns):
+        rewards = task.reward(prompts=prompts, completions=completions, **columns)
+        for prompt, r in zip(prompts, rewards):
+            seen[prompt] += 1
+            solved[prompt] += r is not None and r >= 1.0
+        plan = getattr(trainer, "last_replay_plan", None)  # set before this batch was generated
+        groups_now.clear()
+        groups_now.update(group_shares(rewards, task.num_generations, len(plan.keys) if plan is not None else 0))
+        return rewards
+
+    trainer = trainer_cls(
+        model=model, reward_funcs=[reward], args=config, train_dataset=train_set, processing_class=tokenizer
+    )
+    k, groups, spg = task.num_generations, task.generation_questions, task.steps_per_generation
+    progress = progress_path(cache_dir, task.name, arm_name, seed)
+    # One entry per optimizer step; a generation batch is drawn at the first update of each `spg`, and its figures
+    # (questions, replays, rollouts) are logged at that step, zeros at the others.
+    steps_log: dict[str, list] = {
+        "rollouts": [], "fresh_questions": [], "replayed": [], "replayed_difficulty": [],
+        "batch_pass_at_1": [], "buffer_questions": [], "retired": [],
+    }  # fmt: skip
+    curve: dict[str, Any] = {"step": [], "rollouts": [], "pass_at_1": [], "by_difficulty": {}}
+    # One entry per generation batch (`batch_record`): zero-variance groups among fresh and replayed groups, bucket
+    # occupancy, the replayed trajectories' age and the importance weights of their tokens.
+    batches: list[dict] = []
+    weights: list = []  # the replayed tokens' importance weights of the generation batch being trained on
+    replay_counts: Counter = Counter()
+    resumed_at: list[int] = []  # the updates a killed run resumed from
+    if saved is not None:  # a killed run: everything recorded up to its checkpoint
+        steps_log.update(saved["steps"])
+        curve.update(saved["curve"])
+        batches.extend(saved.get("batches", []))
+        for counter, name in ((seen, "seen"), (solved, "solved"), (replay_counts, "replay_counts")):
+            counter.update(saved[name])
+        start -= saved["seconds"]
+        resumed_at = [*saved["resumed_at"], checkpoint_step(Path(resume).name)]
+
+    def evaluate_now(step: int, rollouts: int) -> None:
+        result = _evaluation(task, trainer.model, tokenizer, eval_set, seed)
+        curve["step"].append(step)
+        curve["rollouts"].append(rollouts)
+        curve["pass_at_1"].append(result["overall"])
+        for d, v in result["by_difficulty"].items():
+            curve["by_difficulty"].setdefault(d, []).append(v)
+
+    class Recorder(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            generated_now = (state.global_step - 1) % spg == 0  # TRL generates every spg optimizer steps
+            plan = getattr(trainer, "last_replay_plan", None) if generated_now else None
+            replayed = len(plan.keys) if plan is not None else 0
+            generated = groups * k - (replayed if plan is not None and plan.with_trajectories else 0)
+            generated = generated if generated_now else 0
+            total = (steps_log["rollouts"][-1] if steps_log["rollouts"] else 0) + generated
+            steps_log["rollouts"].append(total)
+            steps_log["fresh_questions"].append(groups - replayed if generated_now else 0)
+            steps_log["replayed"].append(replayed)
+            steps_log["replayed_difficulty"].append([row.get(task.difficulty) for row in plan.rows] if plan else [])
+            replay_counts.update(plan.keys if plan is not None else [])
+            last = state.log_history[-1] if state.log_history else {}
+            steps_log["batch_pass_at_1"].append(_r(last.get("reward")))
+            buffer = getattr(trainer, "experience_buffer", None)
+            steps_log["buffer_questions"].append(buffer.num_questions if buffer is not None else None)
+            steps_log["retired"].append(len(buffer.retired) if buffer is not None else None)
+            if generated_now:
+                batches.append(batch_record(state.global_step - 1, plan, groups_now, buffer))
+            logged = getattr(trainer, "replay_token_weights", None)  # ExGRPOTrainer's, a list from the start
+            if logged:
+                weights.extend(logged)
+                logged.clear()
+            if state.global_step % spg == 0 and batches:  # the generation batch's last update: its weights are in
+                batches[-1]["is_weight"] = weight_summary(weights, getattr(trainer.args, "policy_shaping_gamma", None))
+                weights.clear()
+            if state.global_step % task.eval_every == 0 or state.global_step == state.max_steps:
+                evaluate_now(state.global_step, total)
+            _write_atomic(progress, f"{state.global_step} {state.max_steps}\n")
+
+        def on_save(self, args, state, control, **kw):  # after the trainer's own save: its checkpoint is complete
+            checkpoint = Path(args.output_dir) / f"{CHECKPOINT_PREFIX}{state.global_step}"
+            if checkpoint.is_dir():
+                recorded = {"settings": settings, "seconds": round(time.perf_counter() - start, 1), "steps": steps_log,
+                            "curve": curve, "seen": seen, "solved": solved, "replay_counts": replay_counts,
+                            "resumed_at": resumed_at, "batches": batches}  # fmt: skip
+                _write_atomic(checkpoint / STUDY_STATE, json.dumps(recorded))
+
+    from transformers.trainer_callback import PrinterCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.add_callback(Recorder())
+    if hasattr(trainer, "replay_token_weights"):  # ExGRPOTrainer: keep the replayed tokens' weights for the record
+        trainer.replay_token_weights = []
+    if resume is None:
+        evaluate_now(0, 0)
+    trainer.train(resume_from_checkpoint=resume)
+
+    # End-of-run probes on training questions: the most replayed ones and the retired ones, warm start vs final.
+    rows = _rows_by_key(train_set)
+    probes = {}
+    buffer = getattr(trainer, "experience_buffer", None)
+    candidates = {
+        "replayed": [key for key, _ in replay_counts.most_common(PROBE_QUESTIONS)],
+        "retired": sorted(buffer.retired)[:PROBE_QUESTIONS] if buffer is not None else [],
+    }
+    for name, keys in candidates.items():
+        keys = [key for key in keys if key in rows]
+        if not keys:
+            continue
+        probe_set = Dataset.from_list([rows[key] for key in keys])
+        probes[name] = {
+            "questions": len(keys),
+            "warm_start": _evaluation(task, warm, tokenizer, probe_set, seed),
+            "final": _evaluation(task, trainer.model, tokenizer, probe_set, seed),
+        }
+    histogram = Counter(replay_counts.values())
+    # The held-out estimate's own noise: the final model evaluated again with other sampling seeds.
+    resampled = [
+        _evaluation(task, trainer.model, tokenizer, eval_set, 1000 + seed * 100 + j)["overall"]
+        for j in range(1, task.final_eval_seeds)
+    ]
+    record = {
+        "task": task.name,
+        "arm": arm_name,
+        "seed": seed,
+        "settings": settings,
+        "seconds": round(time.perf_counter() - start, 1),
+        "resumed_at": resumed_at,
+        "curve": curve,
+        "steps": steps_log,
+        "batches": batches,
+        "replay_counts": {
+            "questions_replayed": len(replay_counts),
+            "replays": sum(replay_counts.values()),
+            "max": max(replay_counts.values(), default=0),
+            "histogram": {str(c): n for c, n in sorted(histogram.items())},
+        },
+        "probes": probes,
+        "questions": {
+            "pool": len(train_set),
+            "seen": len(seen),
+            "never_solved": sum(1 for prompt in seen if solved[prompt] == 0),
+            "fresh_visits": sum(steps_log["fresh_questions"]),
+        },
+        "final": {
+            "pass_at_1": curve["pass_at_1"][-1],
+            "by_difficulty": {d: v[-1] for d, v in curve["by_difficulty"].items()},
+            "rollouts": steps_log["rollouts"][-1],
+            "pass_at_1_resampled": [curve["pass_at_1"][-1], *resampled],
+        },
+    }
+    _write_atomic(out_path, json.dumps(record, separators=(",", ":")) + "\n")
+    shutil.rmtree(kwargs["output_dir"], ignore_errors=True)  # the run's checkpoints: the record is saved
+    return record
+
+
+def group_shares(rewards: list, k: int, replayed: int) -> dict[str, float]:
+    """Counts of groups of `k` consecutive rows with no success (all-fail) and with every row a success (all-pass),
+    among the fresh groups and among the last `replayed` groups (a replay plan's), whose advantages are all zero.
+    A row succeeds with a reward >= 1 (the toy tasks' rewards are 0 or 1, so these are the zero-variance groups)."""
+    solved = [r is not None and r >= 1.0 for r in rewards]
+    groups = [sum(solved[g * k : (g + 1) * k]) for g in range(len(solved) // k)]
+    split = len(groups) - replayed
+    out = {}
+    for name, part in (("fresh", groups[:split]), ("replayed", groups[split:])):
+        out[f"{name}_groups"] = len(part)
+        out[f"{name}_all_fail"] = sum(1 for c in part if c == 0)
+        out[f"{name}_all_pass"] = sum(1 for c in part if c == k)
+    return out
+
+
+def batch_record(step: int, plan, groups: dict, buffer) -> dict:
+    """What one generation batch, generated at update `step` (0-based), was made of: its fresh and replayed groups
+    (`group_shares`), the buffer's bucket occupancy after the batch was committed (questions per k = 1..K-1), and
+    the age in updates of each replayed stored trajectory (`step` minus the update it was collected at)."""
+    ages = [step - c for c in plan.collected_at] if plan is not None and plan.with_trajectories else []
+    return {
+        "step": step,
+        **groups,
+        "buckets": {str(b): n for b, n in buffer.bucket_counts().items()} if buffer is not None else None,
+        "age": {"mean": _r(statistics.mean(ages), 2), "max": max(ages)} if ages else None,
+    }
+
+
+def weight_summary(weights: list, gamma: float | None) -> dict | None:
+    """The importance weights w of one generation batch's replayed tokens (over both of its updates): mean, 5th and
+    95th percentile, and the share below `gamma` (where the shaping f(w) = w / (w + gamma) is under 1/2)."""
+    import torch
+
+    if not weights or sum(t.numel() for t in weights) == 0:
+        return None
+    w = torch.cat([t.double().flatten() for t in weights])
+    q = torch.quantile(w, torch.tensor([0.05, 0.95], dtype=torch.float64)).tolist()
+    below = None if gamma is None else float((w < gamma).double().mean())
+    return {
+        "tokens": w.numel(),
+        "mean": _r(float(w.mean())),
+        "p05": _r(q[0]),
+        "p95": _r(q[1]),
+        "below_gamma": _r(below),
+    }
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,1 @@
+"""Stand-ins and recorders the tests share (not tests themselves)."""
