@@ -47,6 +47,7 @@ from exgrpo_trl.utils.tiny import (
     SupervisedTask,
     _completion_text,
     load_or_train_warm_start,
+    log_accuracy_by,
     warm_start_is_cached,
 )
 
@@ -213,14 +214,7 @@ def countdown_reward(completions, numbers, target, **kwargs) -> list[float]:
     batch is logged as ``accuracy/difficulty_{d}``.
     """
     rewards = [_score(c, n, t) for c, n, t in zip(completions, numbers, target, strict=True)]
-    log_metric = kwargs.get("log_metric")
-    difficulty = kwargs.get("difficulty")
-    if callable(log_metric) and difficulty is not None:
-        by_difficulty = defaultdict(list)
-        for d, r in zip(difficulty, rewards, strict=True):
-            by_difficulty[int(d)].append(r)
-        for d in sorted(by_difficulty):
-            log_metric(f"accuracy/difficulty_{d}", sum(by_difficulty[d]) / len(by_difficulty[d]))
+    log_accuracy_by(kwargs.get("log_metric"), "difficulty", kwargs.get("difficulty"), rewards)
     return rewards
 
 

@@ -20,6 +20,30 @@ WORKSPACE = "work"
 MACHINE_DIRS = ("tmp", WORKSPACE, "root", "home")
 
 
+def tiny_config(config_class, tokenizer=None, **fields):
+    """A tiny model config of `config_class` (Qwen2Config, LlamaConfig, ...): hidden 32, 1 layer of 2 heads,
+    intermediate 64, the tokenizer's vocabulary and special ids; `fields` override. The one place the tests' tiny
+    model shapes start from (the char-tokenizer models of `make_model` come from the package's `build_tiny_model`)."""
+    defaults = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                    intermediate_size=64, max_position_embeddings=64)  # fmt: skip
+    if tokenizer is not None:
+        defaults.update(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)  # fmt: skip
+    return config_class(**{**defaults, **fields})
+
+
+def make_reward_model(tokenizer):
+    """A tiny randomly initialised reward model (one label) over the char tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    # outputs spread over about +-1, so that its weighted reward visibly moves advantages
+    config = tiny_config(Qwen2Config, tokenizer, num_labels=1, initializer_range=0.5)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        return Qwen2ForSequenceClassification(config).eval()
+
+
 def make_model(tokenizer, seed: int = 0):
     from exgrpo_trl.utils.tiny import build_tiny_model
 

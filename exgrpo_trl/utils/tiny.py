@@ -276,15 +276,20 @@ def addition_reward(completions, answer, **kwargs) -> list[float]:
     rewards = [
         1.0 if _completion_text(c).strip() == str(a).strip() else 0.0 for c, a in zip(completions, answer, strict=True)
     ]
-    log_metric = kwargs.get("log_metric")
-    digits = kwargs.get("digits")
-    if callable(log_metric) and digits is not None:
-        by_digits = defaultdict(list)
-        for d, r in zip(digits, rewards, strict=True):
-            by_digits[int(d)].append(r)
-        for d in sorted(by_digits):
-            log_metric(f"accuracy/digits_{d}", sum(by_digits[d]) / len(by_digits[d]))
+    log_accuracy_by(kwargs.get("log_metric"), "digits", kwargs.get("digits"), rewards)
     return rewards
+
+
+def log_accuracy_by(log_metric, name: str, groups, rewards: list[float]) -> None:
+    """With TRL's `log_metric` and a column `groups` (a difficulty per row), log the mean reward of each group present
+    as ``accuracy/{name}_{group}``; nothing without either."""
+    if not callable(log_metric) or groups is None:
+        return
+    by_group = defaultdict(list)
+    for g, r in zip(groups, rewards, strict=True):
+        by_group[int(g)].append(r)
+    for g in sorted(by_group):
+        log_metric(f"accuracy/{name}_{g}", sum(by_group[g]) / len(by_group[g]))
 
 
 # --------------------------------------------------------------------------------------------------------------

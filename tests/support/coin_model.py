@@ -22,6 +22,8 @@ def build_coin_model_dir(out: str | Path) -> str:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+    from tests.helpers import tiny_config
+
     out = Path(out)
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -31,19 +33,8 @@ def build_coin_model_dir(out: str | Path) -> str:
     tokenizer.chat_template = CHAT_TEMPLATE
     # Llama, not Qwen2: AutoTokenizer (what the trainer uses given a model name) maps a qwen2 folder to Qwen's
     # byte-level tokenizer whatever the folder holds, and this word-level one would be lost.
-    config = LlamaConfig(
-        vocab_size=len(VOCAB),
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-    )
+    config = tiny_config(LlamaConfig, vocab_size=len(VOCAB), max_position_embeddings=4096, tie_word_embeddings=False,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=None)  # fmt: skip
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     with torch.no_grad():

@@ -34,6 +34,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from tests.helpers import tiny_config
+
 SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")
 TAGS = ("<user>", "<bot>", "<tool>", "<call>", "</call>")
 CHARS = tuple("0123456789+*= _abcdlmnsuy")
@@ -171,19 +173,8 @@ class ToolCallingQwen2(Qwen2ForCausalLM):
 
 def make_tool_model(tokenizer, seed: int = 0, branches=ADD_OR_MUL) -> ToolCallingQwen2:
     ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=96,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        **ids,
-    )
+    config = tiny_config(Qwen2Config, tokenizer, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         head_dim=32, max_position_embeddings=96, tie_word_embeddings=True)  # fmt: skip
     cls = type("ToolCallingQwen2", (ToolCallingQwen2,), {"grammar_tokenizer": tokenizer, "branches": branches})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

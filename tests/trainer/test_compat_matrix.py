@@ -40,7 +40,7 @@ import torch
 from exgrpo_trl import ExGRPOConfig
 from exgrpo_trl.buffer import question_key
 from exgrpo_trl.trainer import BatchKey
-from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import config_kwargs, make_model, make_reward, make_reward_model, synthetic_dataset
 from tests.support.recording import RecordingTrainer
 
 K = 8
@@ -110,28 +110,6 @@ def routed(tokenizer, parity: int) -> Callable:
         ]
 
     return reward
-
-
-def tiny_reward_model(tokenizer):
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        num_labels=1,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        initializer_range=0.5,  # outputs spread over about +-1, so that its weighted reward visibly moves advantages
-    )
-    with torch.random.fork_rng():
-        torch.manual_seed(1)
-        return Qwen2ForSequenceClassification(config).eval()
 
 
 CHAT_TEMPLATE = (
@@ -223,7 +201,7 @@ def build_run(setup: str, config: dict, out_dir, tokenizer, model_dir) -> Run:
             rewards.wrap(truncated(tokenizer), "truncated"),
         ]
     elif setup == "reward_model":
-        rm = tiny_reward_model(tokenizer)
+        rm = make_reward_model(tokenizer)
         reward_funcs = [rewards.wrap(short_answer(tokenizer), "short_answer"), rm]
         rewards.watch_model(rm, "reward_model")
         extra["reward_processing_classes"] = [None, tokenizer]

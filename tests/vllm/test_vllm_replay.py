@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from exgrpo_trl.trainer import BatchKey
-from tests.helpers import config_kwargs, make_reward, synthetic_dataset
+from tests.helpers import config_kwargs, make_reward, synthetic_dataset, tiny_config
 
 from . import cpu_weight_sync
 from .helpers import vllm_env
@@ -63,18 +63,9 @@ def build_model_dir(path: Path) -> str:
         "eos_token_id": tokenizer.eos_token_id,
         "bos_token_id": tokenizer.bos_token_id,
     }
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,  # exercises the tied-embedding repack of the CPU weight-sync glue
-        **ids,
-    )
+    # tied embeddings exercise the tied-embedding repack of the CPU weight-sync glue
+    config = tiny_config(LlamaConfig, tokenizer, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         head_dim=64, tie_word_embeddings=True)  # fmt: skip
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = LlamaForCausalLM(config).to(torch.float32)
