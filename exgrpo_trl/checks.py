@@ -4,6 +4,7 @@ work) and settings that would train, but not as the user expects (one warning ea
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -133,6 +134,9 @@ def check_arguments(params: dict[str, Any]) -> None:
             else "Build one with `ExGRPOConfig(output_dir=..., ...)`"
         )
         raise TypeError(f"ExGRPOTrainer needs an ExGRPOConfig, got {kind}. {hint}.")
+    output_dir = getattr(params["args"], "output_dir", None)
+    if output_dir and os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise NotADirectoryError(f"output_dir {output_dir} is a file, not a folder; give a folder (output_dir=...)")
     columns = getattr(params.get("train_dataset"), "column_names", None) or []
     if "image" in columns or "images" in columns:
         raise NotImplementedError(IMAGE_INPUTS)

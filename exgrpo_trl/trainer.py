@@ -9,6 +9,7 @@ import json
 import math
 import os
 import textwrap
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,15 @@ class GenerationBatch:
     completions: list[Any] | None = None  # decoded completions (with a tool loop: its message lists)
     fields: list[dict[str, Any]] | None = None  # per row, the columns a rollout function added to the dataset row
     rewards: torch.Tensor | None = None  # (N_global, F): every rank's rewards, gathered
+
+
+@contextlib.contextmanager
+def quiet_checkpointing_deprecation():
+    """TRL's `disable_gradient_checkpointing` reads the model's `is_gradient_checkpointing`, which transformers 5
+    deprecates: a FutureWarning about TRL's code at every entropy-scoring pass, whether checkpointing is on or off."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 @contextlib.contextmanager
@@ -439,7 +449,10 @@ class ExGRPOTrainer(GRPOTrainer):
         order = sorted(range(n), key=lengths.__getitem__)
         chunk_rows = max(1, min(self.args.per_device_train_batch_size, SCORING_CHUNK_ROWS))
         means = torch.empty(n, dtype=torch.float32, device=self.accelerator.device)  # stays on the device
-        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+        with (
+            quiet_checkpointing_deprecation(),
+            disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
+        ):
             for start in range(0, n, chunk_rows):
                 rows = order[start : start + chunk_rows]
                 input_ids, attention_mask, completion_mask = pad_prompt_completion(

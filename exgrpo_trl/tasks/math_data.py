@@ -185,7 +185,9 @@ def to_math_prompts(
 
     keep = set(keep_columns)
     drop = [c for c in columns if c not in keep]
-    mapped = dataset.map(convert, remove_columns=drop, num_proc=num_proc, desc="math prompts")
+    # the progress bar says what is done: questions become the paper's prompts; prompts are only kept
+    desc = "questions -> math prompts" if mode == "question" else "prompt and answer columns"
+    mapped = dataset.map(convert, remove_columns=drop, num_proc=num_proc, desc=desc)
     return mapped.rename_columns({_TMP_PREFIX + "prompt": "prompt", _TMP_PREFIX + "answer": "answer"})
 
 

@@ -47,6 +47,17 @@ def test_padded_batch_equals_alone(trainer):
     assert together.std() > 1e-3  # the three differ, so the comparison means something
 
 
+def test_scoring_raises_no_deprecation_warning(trainer):
+    """TRL's `disable_gradient_checkpointing`, around every scoring pass, reads transformers' deprecated
+    `is_gradient_checkpointing`: one FutureWarning per generation batch that replays, about TRL's code."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer._exgrpo_mean_entropies(PROMPTS, COMPLETIONS)
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)], [str(w.message) for w in caught]
+
+
 @pytest.mark.parametrize("selection", ["lowest_entropy", "highest_entropy"])
 def test_plan_picks_the_extreme_entropy(trainer, tokenizer, selection):
     prompt = "3+4="

@@ -170,3 +170,18 @@ def test_filter_long_prompts_counts_tokens_as_trl_does(tokenizer):
     assert [p[0]["content"] for p in kept["prompt"]] == ["1+2"]
     with pytest.raises(ValueError, match="> 0"):
         filter_long_prompts(chats, tokenizer_with_template, 0)
+
+
+def test_the_progress_bar_says_what_the_map_does(monkeypatch):
+    """It said "math prompts" over the toy addition data too, whose plain prompts are only kept."""
+    seen = []
+    real_map = Dataset.map
+
+    def recording_map(self, *args, **kwargs):
+        seen.append(kwargs.get("desc"))
+        return real_map(self, *args, **kwargs)
+
+    monkeypatch.setattr(Dataset, "map", recording_map)
+    to_math_prompts(Dataset.from_dict({"prompt": ["37+48="], "answer": ["85"]}))
+    to_math_prompts(Dataset.from_dict({"problem": ["What is 2+2?"], "answer": ["4"]}))
+    assert seen == ["prompt and answer columns", "questions -> math prompts"]

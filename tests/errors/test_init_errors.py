@@ -121,3 +121,17 @@ def test_dataset_without_prompt_column_is_named_at_init(tmp_path, tokenizer, whe
         f"{where} has no 'prompt' column (its columns: 'question', 'answer'); GRPOTrainer and ExGRPOTrainer read each "
         "question from 'prompt': rename the question column, e.g. `dataset.rename_column('question', 'prompt')`."
     )
+
+
+def test_an_output_dir_that_is_a_file_is_one_clear_error(tmp_path, tokenizer):
+    """Through the Python API it was transformers' bare `FileExistsError: [Errno 17] File exists`, raised after the
+    model had been set up; now the same one line as `exgrpo train`, before anything loads."""
+    taken = tmp_path / "out"
+    taken.write_text("a file where the run's folder should be")
+    args = ExGRPOConfig(**config_kwargs(tmp_path))
+    with pytest.raises(NotADirectoryError, match=r"^output_dir .*out is a file, not a folder; give a folder"):
+        ExGRPOTrainer(
+            model=make_model(tokenizer), reward_funcs=make_reward(tokenizer), args=args,
+            train_dataset=synthetic_dataset(), processing_class=tokenizer,
+        )  # fmt: skip
+    assert taken.read_text() == "a file where the run's folder should be"
