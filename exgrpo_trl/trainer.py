@@ -146,6 +146,8 @@ class ExGRPOTrainer(GRPOTrainer):
     ``_load_optimizer_and_scheduler``     restore a checkpoint                       the buffer and switches restored
     ``_run_epoch``                        train one epoch                            nothing past ``max_steps``
     ``create_model_card``                 write the model card                       an ExGRPO section
+    ``log``                               write one log row                          every ExGRPO metric on every
+                                                                                     training row; counts as gauges
     ===================================== ========================================== ===============================
 
     The order these fire in over one generation batch, and what each does, is on the trainer page ("How it works
@@ -201,6 +203,7 @@ class ExGRPOTrainer(GRPOTrainer):
         # Set it to a list to receive, per loss pass, the importance weights w of this rank's replayed tokens (1-D,
         # detached, on the CPU): the distribution behind the logged means, for diagnostics. None: nothing is kept.
         self.replay_token_weights: list[torch.Tensor] | None = None
+        self._exgrpo_latest: dict[str, float] = {}  # the latest generation batch's metrics (`log`)
 
     # ------------------------------------------------------------------------------------------ data
     def _get_train_sampler(self, dataset=None):
@@ -579,25 +582,34 @@ class ExGRPOTrainer(GRPOTrainer):
         self.exgrpo_state["generation_batches"] += 1
 
     def _exgrpo_log_batch_metrics(self, batch: GenerationBatch, outcome: BatchOutcome, collecting: bool) -> None:
-        metrics = self._metrics["train"]
+        """The generation batch's figures: averaged over the logging window as TRL averages its own, and kept as the
+        latest values for the log rows whose window holds no generation batch (`log`)."""
         plan = batch.plan
         n_exp = len(plan.group_indices) if plan is not None else 0
-        metrics[METRIC_PREFIX + "replay/active"].append(float(collecting))
-        metrics[METRIC_PREFIX + "replay/fraction"].append(n_exp / max(1, len(outcome.successes)))
-        metrics[METRIC_PREFIX + "batch/pass_at_1"].append(outcome.pass_at_1)
+        latest = {"replay/fraction": n_exp / max(1, len(outcome.successes)), "batch/pass_at_1": outcome.pass_at_1}
         if plan is not None and plan.selected_entropies:
-            mean_entropy = sum(plan.selected_entropies) / len(plan.selected_entropies)
-            metrics[METRIC_PREFIX + "replay/selected_entropy"].append(mean_entropy)
-        if self.accelerator.is_main_process:
-            self._exgrpo_log_buffer_metrics()
+            latest["replay/selected_entropy"] = sum(plan.selected_entropies) / len(plan.selected_entropies)
+        for name, value in latest.items():
+            self._metrics["train"][METRIC_PREFIX + name].append(value)
+        self._exgrpo_latest.update(latest)
+        self._exgrpo_latest["replay/active"] = float(collecting)  # a switch: its value, never a window mean
 
-    def _exgrpo_log_buffer_metrics(self) -> None:
-        buffer, metrics = self.experience_buffer, self._metrics["train"]
-        metrics[METRIC_PREFIX + "buffer/questions"].append(float(buffer.num_questions))
-        metrics[METRIC_PREFIX + "buffer/trajectories"].append(float(buffer.num_trajectories))
-        metrics[METRIC_PREFIX + "buffer/retired"].append(float(len(buffer.retired)))
-        for bucket, count in buffer.bucket_counts().items():
-            metrics[f"{METRIC_PREFIX}buffer/bucket_{bucket}"].append(float(count))
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # Every training log row carries every ExGRPO metric: counts and switches as their value at this step (the
+        # buffer as it is now), the generation batch's figures as the latest batch's when none fell in the window.
+        if self.model.training and "loss" in logs:
+            metrics = self._metrics["train"]
+            for name, value in self._exgrpo_latest.items():
+                if not metrics.get(METRIC_PREFIX + name) or name == "replay/active":
+                    metrics[METRIC_PREFIX + name] = [value]
+            if self.accelerator.is_main_process:  # only the main process holds the buffer's trajectories
+                buffer = self.experience_buffer
+                gauges = {"questions": buffer.num_questions, "trajectories": buffer.num_trajectories,
+                          "retired": len(buffer.retired)}  # fmt: skip
+                gauges.update({f"bucket_{k}": count for k, count in buffer.bucket_counts().items()})
+                for name, value in gauges.items():
+                    metrics[f"{METRIC_PREFIX}buffer/{name}"] = [float(value)]
+        super().log(logs, start_time)
 
     def _exgrpo_flush(self, keep_pending: bool = False) -> None:
         """Commit the pending batch outcome to the buffer. A collective: every rank calls it at the same point.

@@ -276,7 +276,8 @@ def test_lora_quick_start_replays(tmp_path):
         ],
         REPLAY_LOG,
     )
-    assert [f for f in _replayed(out) if f is not None] == [0.0, 0.0, 0.5]
+    # one row per update, each with the fraction of the batch it trained on (two updates a batch)
+    assert [f for f in _replayed(out) if f is not None] == [0.0, 0.0, 0.0, 0.0, 0.5, 0.5]
     assert "MODEL_CLASS PeftModelForCausalLM" in out
 
 

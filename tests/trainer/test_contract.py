@@ -37,6 +37,10 @@ def test_hook_signatures():
         "completion_ids_list",
     ]
     assert params(GRPOTrainer._compute_loss) == ["self", "model", "inputs"]
+    # TRL averages each list of `_metrics[mode]` into the row, then clears them (ExGRPO's gauges rely on both)
+    assert params(GRPOTrainer.log) == ["self", "logs", "start_time"]
+    source = inspect.getsource(GRPOTrainer.log)
+    assert "self._metrics[mode].items()" in source and "self._metrics[mode].clear()" in source
     assert params(GRPOTrainer._get_per_token_logps_and_entropies)[:6] == [
         "self",
         "model",

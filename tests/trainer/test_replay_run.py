@@ -262,3 +262,32 @@ def test_spliced_rows_are_not_generated(tmp_path, tokenizer, monkeypatch, backen
     trainer._exgrpo_batch = GenerationBatch(None, RowAssignment([{}] * 4, [0, 1, 2, 3], {i: [7] for i in range(4)}))
     trainer._generate_single_turn(prompts, None, {}, 8)
     assert seen == [[10, 11, 12, 13]]
+
+
+def test_every_training_row_carries_the_exgrpo_metrics_and_counts_are_gauges(tmp_path, tokenizer):
+    """TRL averages each metric over the logging window; counts and switches were averaged too (a buffer of 15.8
+    questions, replay 0.8 active), and a row whose window held no generation batch (two updates a batch) had no
+    ExGRPO key at all. Now every training row carries them, the counts being the buffer at that step."""
+    from transformers import TrainerCallback
+
+    seen = []
+
+    class AtLog(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):  # right after the row is made
+            if "loss" in logs:
+                seen.append((logs, trainer.experience_buffer.num_questions, len(trainer.experience_buffer.retired)))
+
+    args = ExGRPOConfig(**config_kwargs(tmp_path, steps_per_generation=2, max_steps=6, replay_start_pass_rate=None))
+    trainer = ExGRPOTrainer(
+        model=make_model(tokenizer), reward_funcs=make_reward(tokenizer), args=args,
+        train_dataset=synthetic_dataset(), processing_class=tokenizer, callbacks=[AtLog()],
+    )  # fmt: skip
+    trainer.train()
+    assert len(seen) == 6  # one row per update, generation batches at updates 1, 3, 5 only
+    keys = {"exgrpo/replay/active", "exgrpo/replay/fraction", "exgrpo/batch/pass_at_1", "exgrpo/buffer/questions",
+            "exgrpo/buffer/retired"} | {f"exgrpo/buffer/bucket_{b}" for b in range(1, 8)}  # fmt: skip
+    for logs, questions, retired in seen:
+        assert keys <= set(logs), keys - set(logs)
+        assert logs["exgrpo/buffer/questions"] == questions and logs["exgrpo/buffer/retired"] == retired
+        assert logs["exgrpo/replay/active"] == 1.0  # replay from the first batch: a switch, never a mean
+    assert seen[-1][1] > 0
