@@ -3,6 +3,7 @@ work) and settings that would train, but not as the user expects (one warning ea
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from typing import Any
@@ -115,6 +116,19 @@ def check_prompt_column(dataset, name: str) -> None:
         )
 
 
+# `report_to` value -> the package its transformers callback imports
+LOGGERS = {"wandb": "wandb", "trackio": "trackio", "tensorboard": "tensorboard", "mlflow": "mlflow"}
+
+
+def require_loggers(report_to) -> None:
+    """One line (ImportError) when a logger named in `report_to` ("wandb", ["wandb", "trackio"]) is not installed:
+    transformers finds out when the Trainer is built, in a long traceback, after the model has loaded."""
+    for name in [report_to] if isinstance(report_to, str) else list(report_to or []):
+        module = LOGGERS.get(name)
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise ImportError(f"report_to: {name} needs {module}, which is not installed: pip install {module}")
+
+
 def check_arguments(params: dict[str, Any]) -> None:
     """Before GRPOTrainer.__init__: the arguments (`params`, bound to GRPOTrainer's signature) ExGRPO cannot train
     with. Without `args`, an ExGRPOConfig of the paper's defaults is put in."""
@@ -134,6 +148,7 @@ def check_arguments(params: dict[str, Any]) -> None:
             else "Build one with `ExGRPOConfig(output_dir=..., ...)`"
         )
         raise TypeError(f"ExGRPOTrainer needs an ExGRPOConfig, got {kind}. {hint}.")
+    require_loggers(getattr(params["args"], "report_to", None))
     output_dir = getattr(params["args"], "output_dir", None)
     if output_dir and os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise NotADirectoryError(f"output_dir {output_dir} is a file, not a folder; give a folder (output_dir=...)")

@@ -34,6 +34,7 @@ from trl import GRPOConfig, ModelConfig, TrlParser, get_peft_config, get_quantiz
 from trl import ScriptArguments as TrlScriptArguments
 
 from ..checkpoints import checkpoint_problems, checkpoint_step, find_resumable_checkpoint
+from ..checks import require_loggers
 from ..config import ExGRPOConfig
 from ..state import StateFileError
 from ..tasks.math_data import filter_long_prompts, load_math_dataset
@@ -499,6 +500,7 @@ def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args:
         require("vllm", "use_vllm: true")
     if training_args.deepspeed:
         require("deepspeed", "deepspeed (a DeepSpeed config)")
+    require_loggers(training_args.report_to)  # transformers finds out after the model has loaded
     _check_local_paths(script_args, model_args)
     check_output_dir(training_args.output_dir)
     _setup_logging(training_args)

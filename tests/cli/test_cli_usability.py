@@ -360,8 +360,12 @@ def test_demo_warm_start_runs_on_one_thread(tmp_path, monkeypatch, two_threads):
             "deepspeed (a DeepSpeed config) needs deepspeed, which is not installed: pip install "
             "'exgrpo-trl[deepspeed]' (or pip install deepspeed)",
         ),
+        (
+            ["--report_to", "wandb"],  # not installed in the test environment
+            "report_to: wandb needs wandb, which is not installed: pip install wandb",
+        ),
     ],
-    ids=["vllm", "deepspeed"],
+    ids=["vllm", "deepspeed", "wandb"],
 )
 def test_train_checks_the_packages_its_recipe_needs_first(tmp_path, monkeypatch, capsys, argv, message):
     """TRL finds a missing vLLM only after the model has loaded; the recipe says what the run will need."""

@@ -135,3 +135,20 @@ def test_an_output_dir_that_is_a_file_is_one_clear_error(tmp_path, tokenizer):
             train_dataset=synthetic_dataset(), processing_class=tokenizer,
         )  # fmt: skip
     assert taken.read_text() == "a file where the run's folder should be"
+
+
+def test_a_missing_logger_is_one_line_before_any_work(tmp_path, tokenizer):
+    """`report_to="wandb"` without wandb installed ended in transformers' 11-frame traceback from the Trainer's
+    callbacks, after the model was set up."""
+    import importlib.util
+
+    missing = [name for name in ("wandb", "trackio") if importlib.util.find_spec(name) is None]
+    if not missing:
+        pytest.skip("every logger is installed here")
+    args = ExGRPOConfig(**config_kwargs(tmp_path, report_to=missing[0]))
+    with pytest.raises(ImportError, match=rf"^report_to: {missing[0]} needs {missing[0]}, which is not installed"):
+        ExGRPOTrainer(
+            model=make_model(tokenizer), reward_funcs=make_reward(tokenizer), args=args,
+            train_dataset=synthetic_dataset(), processing_class=tokenizer,
+        )  # fmt: skip
+    assert not (tmp_path / "out").exists()  # nothing written
