@@ -21,6 +21,7 @@ import inspect
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -479,9 +480,7 @@ def _attach_validation(trainer, script_args: ScriptArguments, training_args: ExG
 
 
 def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args: ModelConfig) -> int:
-    from ..trainer import ExGRPOTrainer  # imported here: parsing recipes does not need the trainer
-    from ..utils.hub import is_peft_trainer, push_trained_model
-
+    """One run of `exgrpo train`: the checks that need no model, then `_train_in`."""
     if not model_args.model_name_or_path:
         raise ValueError("model_name_or_path is required (in the recipe or as --model_name_or_path).")
     if not script_args.dataset_name:
@@ -502,7 +501,23 @@ def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args:
         require("deepspeed", "deepspeed (a DeepSpeed config)")
     require_loggers(training_args.report_to)  # transformers finds out after the model has loaded
     _check_local_paths(script_args, model_args)
+    created = not Path(training_args.output_dir).expanduser().exists()
     check_output_dir(training_args.output_dir)
+    try:
+        return _train_in(script_args, training_args, model_args)
+    except BaseException:
+        # a run that fails before writing anything leaves no empty output folder behind
+        out = Path(training_args.output_dir).expanduser()
+        if created and out.is_dir() and not any(p.is_file() for p in out.rglob("*")):
+            shutil.rmtree(out, ignore_errors=True)
+        raise
+
+
+def _train_in(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args: ModelConfig) -> int:
+    """`train` once the arguments are checked and `output_dir` is a writable folder."""
+    from ..trainer import ExGRPOTrainer
+    from ..utils.hub import is_peft_trainer, push_trained_model
+
     _setup_logging(training_args)
     transformers.set_seed(training_args.seed)
 

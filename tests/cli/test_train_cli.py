@@ -302,3 +302,22 @@ def test_where_it_went(tmp_path):
         f"  model card: {tmp_path / 'none' / 'README.md'}",
         "  checkpoints: none kept",
     ]
+
+
+def test_a_run_that_fails_before_training_leaves_no_output_folder(tmp_path, toy_dir, capsys):
+    """The output folder is made (and write-tested) before the model loads; a run that then failed (here: a model
+    folder with no tokenizer) left it behind, empty. A folder that held something before is never touched."""
+    from exgrpo_trl.cli import main
+
+    no_tokenizer = tmp_path / "model"
+    no_tokenizer.mkdir()
+    (no_tokenizer / "config.json").write_text((toy_dir / "config.json").read_text())
+    out = tmp_path / "out"
+    argv = ["train", *toy_recipe_args(toy_dir, out), "--model_name_or_path", str(no_tokenizer)]
+    assert main(argv) == 1
+    assert "exgrpo train: error:" in capsys.readouterr().err
+    assert not out.exists()
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(argv) == 1
+    assert (out / "notes.txt").read_text() == "mine"
