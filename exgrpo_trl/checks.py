@@ -75,6 +75,12 @@ def replay_never_fires(cfg: ExGRPOConfig) -> str | None:
     )
 
 
+def ends_generation_batch(cfg: GRPOConfig, step: int) -> bool:
+    """Whether optimizer step `step` ends a generation batch (TRL generates once per `steps_per_generation *
+    num_iterations` micro-batches): a checkpoint there resumes bitwise; one inside a batch generates it again."""
+    return step * cfg.gradient_accumulation_steps % (cfg.steps_per_generation * cfg.num_iterations) == 0
+
+
 def save_steps_inside_generation_batches(cfg: GRPOConfig) -> str | None:
     """A warning when `save_steps` puts checkpoints inside generation batches, else None.
 
@@ -92,10 +98,10 @@ def save_steps_inside_generation_batches(cfg: GRPOConfig) -> str | None:
             return None
         save_steps = math.ceil(cfg.max_steps * save_steps)
     save_steps = int(save_steps)
+    if ends_generation_batch(cfg, save_steps):
+        return None
     micro = cfg.steps_per_generation * cfg.num_iterations  # micro-batches from one generation to the next
     accumulation = cfg.gradient_accumulation_steps
-    if save_steps * accumulation % micro == 0:
-        return None
     every = micro // math.gcd(micro, accumulation)  # optimizer steps from one generation boundary to the next
     return (
         f"ExGRPO: save_steps={save_steps} puts checkpoints inside generation batches (one every {every} optimizer "

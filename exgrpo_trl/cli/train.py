@@ -15,6 +15,7 @@ the adapter merged into its base model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import functools
 import inspect
@@ -22,20 +23,24 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import datasets
+import torch
 import transformers
+from transformers import TrainerCallback
 from trl import GRPOConfig, ModelConfig, TrlParser, get_peft_config, get_quantization_config
 from trl import ScriptArguments as TrlScriptArguments
 
 from ..checkpoints import checkpoint_problems, checkpoint_step, find_resumable_checkpoint
-from ..checks import require_loggers
+from ..checks import ends_generation_batch, require_loggers
 from ..config import ExGRPOConfig
 from ..state import StateFileError
 from ..tasks.math_data import filter_long_prompts, load_math_dataset
@@ -403,6 +408,45 @@ def reporting_errors(func: Callable) -> Callable:
     return wrapper
 
 
+class StopOnInterrupt(TrainerCallback):
+    """Ctrl-C (SIGINT) during training saves a checkpoint and stops at the end of the first optimizer step that ends a
+    generation batch (at most `steps_per_generation` steps on), so that the checkpoint resumes bitwise; a second
+    Ctrl-C stops at once. Every rank stops at the same step: the request is reduced over the ranks at each step."""
+
+    def __init__(self):
+        self.requested = False
+        self.stopped_at: int | None = None
+        self.trainer = None  # set once the trainer exists (for its accelerator)
+
+    def handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    @contextlib.contextmanager
+    def installed(self):
+        """The handler, while the block runs (the main thread only: Python delivers signals there)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGINT, self.handle)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        requested = self.requested
+        accelerator = getattr(self.trainer, "accelerator", None)
+        if accelerator is not None and accelerator.num_processes > 1:  # a collective: every rank, every step
+            flag = torch.tensor([float(requested)], device=accelerator.device)
+            requested = bool(accelerator.reduce(flag, reduction="max").item())
+        if requested and ends_generation_batch(args, state.global_step):
+            control.should_save = control.should_training_stop = True
+            self.stopped_at = state.global_step
+        return control
+
+
 class Interrupted(Exception):
     """Training stopped by Ctrl-C (KeyboardInterrupt) at `step`."""
 
@@ -575,10 +619,16 @@ def _train_in(script_args: ScriptArguments, training_args: ExGRPOConfig, model_a
     if script_args.validation_dataset and script_args.validation_steps > 0:
         _attach_validation(trainer, script_args, training_args)
 
+    stop = StopOnInterrupt()
+    stop.trainer = trainer
+    trainer.add_callback(stop)
     try:
-        train_result = trainer.train(resume_from_checkpoint=checkpoint)
+        with stop.installed():
+            train_result = trainer.train(resume_from_checkpoint=checkpoint)
     except KeyboardInterrupt:
         raise Interrupted(trainer.state.global_step, trainer.state.max_steps, training_args.output_dir) from None
+    if stop.stopped_at is not None and stop.stopped_at < trainer.state.max_steps:
+        raise Interrupted(trainer.state.global_step, trainer.state.max_steps, training_args.output_dir)
     metrics = train_result.metrics
     metrics["train_samples"] = len(train_dataset)
     trainer.log_metrics("train", metrics)

@@ -181,12 +181,13 @@ def test_reporting_errors_keeps_what_trl_reads():
 
 # ----------------------------------------------------------------------------------------------------- Ctrl-C
 def test_ctrl_c_is_one_line_and_rerunning_resumes(toy_dir, tmp_path):
-    """SIGINT during step 3 (the reward's third call): one line with the step reached and the checkpoint the same
-    command resumes from, exit code 130, no traceback (it was 37 lines); rerunning the command does resume there."""
+    """SIGINT during step 3 (the reward's third call): the step finishes, a checkpoint is saved at its end (it ends a
+    generation batch, so the checkpoint resumes bitwise: the steps since the last save are not lost), and one line says
+    where and how to go on, exit code 130, no traceback (it was 37 lines); rerunning the command does resume there."""
     out = tmp_path / "out"
     argv = [
         *_exgrpo(),
-        *_train_args(toy_dir, out, "--max_steps", "4", "--save_steps", "1"),
+        *_train_args(toy_dir, out, "--max_steps", "4", "--save_steps", "100"),
         "--reward_funcs",
         "tests.support.cli_rewards:interrupting_reward",
     ]
@@ -195,16 +196,25 @@ def test_ctrl_c_is_one_line_and_rerunning_resumes(toy_dir, tmp_path):
     )
     assert run.returncode == 130, run.stderr[-3000:]
     assert run.stderr.splitlines()[-1] == (
-        f"exgrpo train: interrupted at step 2 of 4; rerun the same command to resume from the newest checkpoint, "
-        f"{out / 'checkpoint-2'}"
+        f"exgrpo train: interrupted at step 3 of 4; rerun the same command to resume from the newest checkpoint, "
+        f"{out / 'checkpoint-3'}"
     )
     assert "Traceback" not in run.stderr
 
     again = subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"Resuming from checkpoint {out / 'checkpoint-2'}" in again.stdout + again.stderr
+    assert f"Resuming from checkpoint {out / 'checkpoint-3'}" in again.stdout + again.stderr
     assert "exgrpo train: done at step 4." in again.stdout
     assert "Warning" not in again.stderr, again.stderr  # nothing about options the recipe does not use
+
+    # the interrupted-and-resumed run ends bitwise where a run never interrupted ends
+    from safetensors.torch import load_file
+
+    straight = tmp_path / "straight"
+    argv = [*_exgrpo(), *_train_args(toy_dir, straight, "--max_steps", "4", "--save_steps", "100")]
+    subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=300, check=True)
+    resumed, never = load_file(out / "model.safetensors"), load_file(straight / "model.safetensors")
+    assert resumed.keys() == never.keys() and all(resumed[k].equal(never[k]) for k in never)
 
 
 # ----------------------------------------------------------------------------------------------------- dependencies

@@ -318,9 +318,9 @@ def test_interrupt_output_is_what_the_page_shows(monkeypatch):
     from exgrpo_trl.cli import train
 
     (block,) = section_blocks(DOCS / "resume.md", "## Resuming with `exgrpo train`")
-    checkpoint = "outputs/exgrpo-tiny-cpu/checkpoint-100"
+    checkpoint = "outputs/exgrpo-tiny-cpu/checkpoint-138"
     monkeypatch.setattr(train, "find_resumable_checkpoint", lambda output_dir: (checkpoint, []))
-    line = "exgrpo train: " + str(train.Interrupted(137, 300, "outputs/exgrpo-tiny-cpu"))
+    line = "exgrpo train: " + str(train.Interrupted(138, 300, "outputs/exgrpo-tiny-cpu"))
     assert block.text.splitlines() == [line]
 
 
