@@ -46,12 +46,11 @@ from exgrpo_trl.utils.tiny import (
     EOS,
     SupervisedTask,
     _completion_text,
+    evaluate_pass_at_1,
     load_or_train_warm_start,
     log_accuracy_by,
     warm_start_is_cached,
 )
-
-from .toy import evaluate_pass_at_1
 
 __all__ = [
     "MAX_EXPRESSION_CHARS",

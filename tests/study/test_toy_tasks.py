@@ -17,11 +17,11 @@ from exgrpo_trl.utils.tiny import (
     build_char_tokenizer,
     build_tiny_model,
     build_tiny_model_dir,
+    evaluate_pass_at_1,
     load_char_tokenizer,
     load_or_train_warm_start,
     warm_start,
 )
-from lab.toy import evaluate_pass_at_1
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +210,12 @@ def test_model_dir_loads_with_auto_classes(tmp_path):
     assert tok.batch_decode([tok("12+3=15")["input_ids"]]) == ["12+3=15"]
 
 
-def test_module_cli_writes_model_and_jsonl(tmp_path):
+def test_module_cli_writes_model_and_jsonl(tmp_path, capsys):
     assert toy.main(["--out", str(tmp_path), "--n-train", "40", "--n-eval", "12", "--no-progress"]) == 0
+    # it says the held-out pass@1 the folder's model reached, and what that means for replay (an untrained model:
+    # 0, below the delayed start; it never printed one, and below 0.35 replay never starts)
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("held-out pass@1 0.000 (") and "not above the delayed start's 0.35" in last, last
     train = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
     eval_ = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert len(train) == 40 and len(eval_) == 12
@@ -359,3 +363,12 @@ def test_char_tokenizer_alphabet_argument():
     for bad in (("1", "1"), ("ab",)):
         with pytest.raises(ValueError):
             build_char_tokenizer(alphabet=bad)
+
+
+def test_pass_at_1_line_by_hand():
+    above = toy.pass_at_1_line({"overall": 0.5, "by_digits": {1: 0.9, 2: 0.1}})
+    assert above == (
+        "held-out pass@1 0.500 (1 digit 0.90, 2 digits 0.10; 8 samples a question): above the delayed start's 0.35: "
+        "replay switches on within the first batches"
+    )
+    assert "replay_start_pass_rate: 0" in toy.pass_at_1_line({"overall": 0.35, "by_digits": {}})  # not above
