@@ -157,7 +157,8 @@ def _fmt(value: float | None) -> str:
 def markdown_table(results: dict[str, dict[str, Any]], label: str, *, paper_rows: bool = True) -> str:
     """The algorithm §10 layout: paper benchmarks in the paper's order (those evaluated), the in-distribution average,
     the out-of-distribution ones and their average; other benchmarks after. The paper's two Qwen2.5-Math-7B rows
-    come first. A partial average is marked * (the paper's rows then use the same benchmarks)."""
+    come first, when any of the paper's benchmarks was evaluated. A partial average is marked * (the paper's rows then
+    use the same benchmarks)."""
     summary = summarize(results)
     ind = [n for n in IN_DISTRIBUTION if n in results]
     ood = [n for n in OUT_OF_DISTRIBUTION if n in results]
@@ -178,7 +179,7 @@ def markdown_table(results: dict[str, dict[str, Any]], label: str, *, paper_rows
         "| Model | " + " | ".join(title for title, _ in columns) + " |",
         "|---|" + "---:|" * len(columns),
     ]
-    if paper_rows:
+    if paper_rows and (ind or ood):  # a table of local benchmarks only has nothing of the paper's to set beside
         for paper_row in PAPER_RESULTS:
 
             def paper_cell(key: str, paper_row: str = paper_row) -> float | None:

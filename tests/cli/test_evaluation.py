@@ -743,3 +743,14 @@ def test_train_script_wires_validation(tmp_path):
     logs = [e for e in state["log_history"] if "eval/addition/accuracy" in e]
     assert [e["step"] for e in logs] == [1, 2]
     assert all(e["eval/addition/mean_completion_length"] <= 8 for e in logs)  # the recipe's max_completion_length
+
+
+def test_a_table_of_local_benchmarks_only_has_no_paper_rows():
+    """`exgrpo eval` on a local benchmark printed the paper's two rows filled with dashes: nothing of theirs to compare.
+    With one of the paper's benchmarks in the run, its rows are there (checked above)."""
+    from exgrpo_trl.eval.report import markdown_table
+
+    local = {"mine": {"score": 40.0, "metric": "pass@1", "num_questions": 5, "title": "Mine"}}
+    md = markdown_table(local, "run")
+    assert md.splitlines()[:3] == ["| Model | Mine |", "|---|---:|", "| **run** | 40.0 |"]
+    assert "paper" not in md
