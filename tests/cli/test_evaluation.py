@@ -746,8 +746,8 @@ def test_train_script_wires_validation(tmp_path):
 
 
 def test_a_table_of_local_benchmarks_only_has_no_paper_rows():
-    """`exgrpo eval` on a local benchmark printed the paper's two rows filled with dashes: nothing of theirs to compare.
-    With one of the paper's benchmarks in the run, its rows are there (checked above)."""
+    """`exgrpo eval` on a local benchmark printed the paper's two rows filled with dashes, nothing of theirs to set
+    beside it. With one of the paper's benchmarks in the run, its rows are there (checked above)."""
     from exgrpo_trl.eval.report import markdown_table
 
     local = {"mine": {"score": 40.0, "metric": "pass@1", "num_questions": 5, "title": "Mine"}}
