@@ -75,5 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         except MissingDependency as e:
             print(f"exgrpo {name}: error: {e}", file=sys.stderr)
             return 1
+        if name == "train":  # a recipe's typo in well under a second, before TRL is imported
+            from .precheck import check
+
+            mistake = check(rest)
+            if mistake is not None:
+                print(f"exgrpo train: error: {mistake}", file=sys.stderr)
+                return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
     return int(module.main(rest) or 0)

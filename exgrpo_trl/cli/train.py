@@ -228,12 +228,22 @@ def short_help() -> str:
 
 
 def write_help() -> Path:
-    """Write `short_help()` to cli/train_help.txt, which `exgrpo train --help` prints without importing TRL (`make
-    style` runs this; a test fails when the file is stale)."""
+    """Write `short_help()` to cli/train_help.txt, which `exgrpo train --help` prints without importing TRL, and
+    `option_kinds()` to cli/train_options.json, which `precheck` checks recipes against before TRL is imported (`make
+    style` runs this; a test fails when either file is stale)."""
     from . import TRAIN_HELP
+    from .precheck import OPTIONS
 
     TRAIN_HELP.write_text(short_help())
+    OPTIONS.write_text(json.dumps(option_kinds(), indent=0, sort_keys=True) + "\n")
     return TRAIN_HELP
+
+
+def option_kinds() -> dict[str, str]:
+    """Every ``--option`` of `exgrpo train` and the kind of value it takes (`precheck.option_kind`)."""
+    from .precheck import option_kind
+
+    return {o: option_kind(a) for a in build_parser()._actions for o in a.option_strings if o.startswith("--")}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, ExGRPOConfig, ModelConfig]:

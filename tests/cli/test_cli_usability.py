@@ -83,6 +83,36 @@ def test_train_help_is_written_out_and_fast():
     assert seconds < 3, f"exgrpo train --help took {seconds:.1f}s"
 
 
+def test_recipe_mistakes_are_found_before_trl_is_imported(tmp_path):
+    """A recipe's typo or bad value took about 5 s to report (TRL, transformers and torch imported first); it is now
+    checked against train_options.json (kept current here) before any of them is imported."""
+    import json
+
+    from exgrpo_trl.cli.precheck import OPTIONS
+    from exgrpo_trl.cli.train import option_kinds
+
+    assert json.loads(OPTIONS.read_text()) == option_kinds(), "train_options.json is stale: make style"
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("learning_rate: 1.0e-4\nlerning_rate: 2\n")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_steps: ten\nuse_peft: maybe\n")
+    cases = [
+        (["--config", str(typo)], f"unknown key lerning_rate in {typo} (did you mean learning_rate?)"),
+        (["--config", str(bad)], f"max_steps in {bad}: 'ten' is not a valid int value"),
+        (["--config", str(TINY_RECIPE), "--max_stepz", "3"], "unknown option --max_stepz (did you mean --max_steps?)"),
+        (["--config", str(TINY_RECIPE), "--use_peft=maybe"], "argument --use_peft: invalid bool value: 'maybe'"),
+    ]
+    check = "import sys, exgrpo_trl.cli as c; c.main(sys.argv[1:]); print(sorted({'torch', 'trl'} & set(sys.modules)))"
+    for argv, message in cases:
+        start = time.perf_counter()
+        run = subprocess.run([sys.executable, "-c", check, "train", *argv], env=ENV, capture_output=True, text=True)
+        seconds = time.perf_counter() - start
+        assert run.stderr.splitlines() == [f"exgrpo train: error: {message}"], run.stderr
+        assert run.stdout.strip() == "[]", run.stdout  # neither torch nor TRL was imported
+        assert seconds < 2, f"{seconds:.2f}s"
+        print(f"{message}: {seconds:.2f}s")
+
+
 def test_no_deprecation_warning_for_an_option_not_used():
     """TRL's default `gradient_checkpointing=True` made transformers warn (FutureWarning) on every config and every
     `exgrpo train`; the recipes now use the new name, and the old one still warns when it is set."""

@@ -241,7 +241,7 @@ def _bad_recipe(tmp_path):
         (
             ["--config", str(TINY_RECIPE), "--max_steps", "abc"],
             2,
-            "argument --max_steps/--max-steps: invalid int value: 'abc'",
+            "argument --max_steps: invalid int value: 'abc'",  # found before TRL is imported (cli/precheck.py)
         ),
         (
             ["--config", str(TINY_RECIPE), "--replay_ratio", "2"],
