@@ -173,7 +173,7 @@ def plot(s: dict[str, Any], path: str | Path):
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError as e:
-        raise RuntimeError("--plot needs matplotlib: pip install 'exgrpo-trl[demo]'") from e
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from e
 
     fig, (ax_b, ax_l) = plt.subplots(1, 2, figsize=(11, 4))
     ks = list(s["buckets"])

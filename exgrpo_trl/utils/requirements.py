@@ -38,5 +38,6 @@ def require(module: str, what: str) -> None:
     if not missing(module):
         return
     dist, extra = OPTIONAL.get(module, (module, None))
-    how = f"pip install 'exgrpo-trl[{extra}]' (or pip install {dist})" if extra else f"pip install '{dist}'"
+    # what a user can run: the package is installed from a clone or a wheel, not from an index
+    how = f"pip install '{dist}'" + (f" (or, in the repository's folder, pip install '.[{extra}]')" if extra else "")
     raise MissingDependency(f"{what} needs {module}, which is not installed: {how}")

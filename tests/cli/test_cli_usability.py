@@ -295,7 +295,7 @@ def test_math_reward_scores_a_correct_answer():
             "matplotlib",
             ["inspect", "nowhere/checkpoint-1", "--plot=buffer.png"],
             "exgrpo inspect: error: exgrpo inspect --plot needs matplotlib, which is not installed: pip install "
-            "'exgrpo-trl[demo]' (or pip install matplotlib)",
+            "'matplotlib' (or, in the repository's folder, pip install '.[demo]')",
         ),
         (
             "math_verify",
@@ -307,7 +307,7 @@ def test_math_reward_scores_a_correct_answer():
             "vllm",
             ["eval", "--model", "nowhere", "--benchmarks", "math500", "--backend", "vllm"],
             "exgrpo eval: error: exgrpo eval --backend vllm needs vllm, which is not installed: pip install "
-            "'exgrpo-trl[vllm]' (or pip install vllm)",
+            "'vllm' (or, in the repository's folder, pip install '.[vllm]')",
         ),
     ],
     ids=["inspect-plot", "eval", "eval-vllm"],
@@ -393,12 +393,13 @@ def test_demo_warm_start_runs_on_one_thread(tmp_path, monkeypatch, two_threads):
     [
         (
             ["--use_vllm", "true"],
-            "use_vllm: true needs vllm, which is not installed: pip install 'exgrpo-trl[vllm]' (or pip install vllm)",
+            "use_vllm: true needs vllm, which is not installed: pip install 'vllm' (or, in the repository's folder, "
+            "pip install '.[vllm]')",
         ),
         (
             ["--deepspeed", str(ROOT / "tests" / "multiprocess" / "ds_zero3.json")],
             "deepspeed (a DeepSpeed config) needs deepspeed, which is not installed: pip install "
-            "'exgrpo-trl[deepspeed]' (or pip install deepspeed)",
+            "'deepspeed' (or, in the repository's folder, pip install '.[deepspeed]')",
         ),
         (
             ["--report_to", "wandb"],  # not installed in the test environment

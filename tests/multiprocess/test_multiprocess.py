@@ -120,7 +120,7 @@ def ddp_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory):
     if not HAS_DEEPSPEED:
-        pytest.skip("deepspeed is not installed (pip install exgrpo-trl[deepspeed])")
+        pytest.skip("deepspeed is not installed (pip install deepspeed)")
     out = tmp_path_factory.mktemp("zero3")
     return out, launch("zero3_cpu.yaml", out, "--expect", "zero3", "--uneven", "--resume")
 
@@ -134,7 +134,7 @@ def ddp_tools_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def zero3_tools_run(tmp_path_factory):
     if not HAS_DEEPSPEED:
-        pytest.skip("deepspeed is not installed (pip install exgrpo-trl[deepspeed])")
+        pytest.skip("deepspeed is not installed (pip install deepspeed)")
     out = tmp_path_factory.mktemp("zero3_tools")
     return out, launch("zero3_cpu.yaml", out, "--expect", "zero3", "--uneven", "--resume", "--tools")
 

@@ -139,7 +139,7 @@ def _table_rows(report: str, heading: str) -> list[str]:
 
 
 def test_sweep_tables_are_the_committed_results():
-    """The study page's sweep, regime and paper-point tables, and the README's sweep table, are results.md's
+    """The study page's sweep, difficulty, regime and paper-point tables, and the README's short ones, are results.md's
     (written by `python -m lab.study` from the saved runs), row for row; the sweep table has every point of
     sweep.json."""
     from lab.study import PAPER_POINT
@@ -150,17 +150,22 @@ def test_sweep_tables_are_the_committed_results():
     assert len(sweep_rows) == len(sweep["points"]) + len(sweep["earlier_settings"]) >= 4
     for row in sweep_rows:
         assert row in STUDY_PAGE, row
-    assert f"4 sampling seeds varies by {sweep['estimate_noise']['std']:.4f}" in " ".join(STUDY_PAGE.split())
-    for heading in ("### Regimes", f"### {PAPER_POINT}:"):
+    noise = f"varies by {sweep['estimate_noise']['std']:.4f} between sampling seeds"
+    assert noise in " ".join(STUDY_PAGE.split())
+    for heading in ("### Regimes", f"### {PAPER_POINT}:", "### Difficulty at the paper's step"):
         rows = _table_rows(report, heading)
         assert rows
         for row in rows:
             assert row in STUDY_PAGE, (heading, row)
-    # the README's short sweep table: the same rows, six of the columns (scripts/study_tables.py copies them all)
+    # the README's short tables: the same rows, some of the columns (scripts/study_tables.py copies them all)
     readme = (ROOT / "README.md").read_text()
-    for row in sweep_rows:
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        assert "| " + " | ".join(cells[k] for k in (0, 1, 3, 6, 7, 8)) + " |" in readme, row
+    for heading, keep in (
+        ("### Step-size sweep", (0, 1, 6, 7, 10)),
+        ("### Difficulty at the paper's step", (0, 1, 5, 6, 9)),
+    ):
+        for row in _table_rows(report, heading):
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            assert "| " + " | ".join(cells[k] for k in keep) + " |" in readme, row
     check = subprocess.run([sys.executable, "scripts/study_tables.py", "--check"], cwd=ROOT, capture_output=True,
                            text=True)  # fmt: skip
     assert check.returncode == 0, check.stdout + check.stderr

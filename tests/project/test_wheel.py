@@ -113,8 +113,8 @@ def test_lab_demo_against_the_wheel_without_then_with_its_extra(fresh_env):
     without = subprocess.run(demo, capture_output=True, text=True, env=env, cwd=lab_home, timeout=300)
     assert without.returncode == 1 and time.perf_counter() - started < 30, without.stderr[-3000:]
     assert without.stderr.splitlines() == [
-        "demo: error: make demo needs matplotlib, which is not installed: pip install 'exgrpo-trl[demo]' "
-        "(or pip install matplotlib)"
+        "demo: error: make demo needs matplotlib, which is not installed: pip install 'matplotlib' "
+        "(or, in the repository's folder, pip install '.[demo]')"
     ]
     assert not (work / "demo").exists()  # nothing was trained
 
