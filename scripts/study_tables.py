@@ -13,6 +13,7 @@
     arm-pairs      the arms paired by seed at the paper-shaped point             docs/study.md
     hard-pairs     the same at the hard point                                    docs/study.md
     hard-diagnostics  what the hard point's generation batches were made of      docs/study.md
+    noise          the held-out estimate's noise, one line                       docs/study.md
     regimes        the paper's run beside each setting                           docs/study.md
     paper-point    every arm at the paper-shaped point                           docs/study.md
     hard-point     every arm at the hard point                                   docs/study.md
@@ -42,11 +43,12 @@ HEADINGS = {
     "paper-point": f"### {PAPER_POINT}:",
     "hard-point": f"### {HARD_POINT}:",
 }
+NOISE = "Held-out estimate noise:"  # the line of results.md copied as "noise"
 OPTIONAL = ("hard-pairs", "hard-diagnostics", "hard-point")  # their runs may not be in yet
 NOT_YET = "_Not in yet: its runs are training._"
 PAGES = {
-    "docs/study.md": ("sweep", "difficulty", "arm-pairs", "hard-pairs", "hard-diagnostics", "regimes", "paper-point",
-                      "hard-point"),
+    "docs/study.md": ("sweep", "noise", "difficulty", "arm-pairs", "hard-pairs", "hard-diagnostics", "regimes",
+                      "paper-point", "hard-point"),
     "README.md": ("sweep-short", "difficulty-short"),
 }  # fmt: skip
 # of the sweep's and the difficulty table's columns: the README's front page keeps them under 1,000 words
@@ -92,6 +94,7 @@ def main(argv: list[str]) -> int:
         name: table_after(report, heading) if name not in OPTIONAL or heading in report else NOT_YET
         for name, heading in HEADINGS.items()
     }
+    tables["noise"] = next(line for line in report.splitlines() if line.startswith(NOISE))
     tables["sweep-short"] = columns(tables["sweep"], SHORT)
     tables["difficulty-short"] = columns(tables["difficulty"], DIFFICULTY_SHORT)
     stale = []

@@ -75,7 +75,7 @@ def _addition_reward(completions, answer, **kwargs):
 
 
 def _addition_evaluate(model, tokenizer, dataset, samples, seed):
-    from ..toy import evaluate_pass_at_1
+    from exgrpo_trl.utils.tiny import evaluate_pass_at_1
 
     result = evaluate_pass_at_1(model, tokenizer, dataset, samples=samples, seed=seed, progress=False)
     return {"overall": result["overall"], "by_difficulty": result["by_digits"], "per_question": result["per_question"]}
