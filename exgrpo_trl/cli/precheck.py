@@ -42,16 +42,15 @@ def _bad_value(kind: str, value) -> bool:
     return kind == "float" and math.isnan(number) and not isinstance(value, float)
 
 
-def _suggest(name: str, known: list[str]) -> str:
+def suggestion(name: str, known: list[str]) -> str:
+    """' (did you mean NEAREST?)' for an unknown `name`, or where to find the options."""
     close = difflib.get_close_matches(name, known, n=1)
     return f" (did you mean {close[0]}?)" if close else " (exgrpo train --help lists the options)"
 
 
 def check(argv: list[str]) -> str | None:
     """The first mistake in `exgrpo train ARGV` that needs no TRL to find, as the one-line message, else None."""
-    if not OPTIONS.is_file():  # an install without the file: TRL's parser checks everything
-        return None
-    kinds: dict[str, str] = json.loads(OPTIONS.read_text())
+    loaded, recipe = {}, None
     if "--config" in argv:
         position = argv.index("--config")
         if position + 1 == len(argv):
@@ -67,10 +66,14 @@ def check(argv: list[str]) -> str | None:
             return f"--config {recipe} is not valid YAML ({' '.join(str(e).split())})"
         if not isinstance(loaded, dict):
             return f"--config {recipe} must be a mapping of option: value"
+    if not OPTIONS.is_file():  # an install without the file: TRL's parser checks the keys and values
+        return None
+    kinds: dict[str, str] = json.loads(OPTIONS.read_text())
+    if loaded:
         keys = [name[2:] for name in kinds]
         for key, value in loaded.items():
             if f"--{key}" not in kinds:
-                return f"unknown key {key} in {recipe}{_suggest(str(key), keys)}"
+                return f"unknown key {key} in {recipe}{suggestion(str(key), keys)}"
             if _bad_value(kinds[f"--{key}"], value):
                 return f"{key} in {recipe}: {value!r} is not a valid {kinds[f'--{key}']} value"
     for i, word in enumerate(argv):
@@ -78,7 +81,7 @@ def check(argv: list[str]) -> str | None:
             continue
         name, has_value, inline = word.partition("=")
         if name not in kinds:
-            return f"unknown option {name}{_suggest(name, list(kinds))}"
+            return f"unknown option {name}{suggestion(name, list(kinds))}"
         following = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
         value = inline if has_value else following
         if value is not None and _bad_value(kinds[name], value):

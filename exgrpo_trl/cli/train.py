@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import functools
 import inspect
 import json
@@ -47,6 +46,7 @@ from ..tasks.math_data import filter_long_prompts, load_math_dataset
 from ..tasks.rewards import REWARD_FUNCS, get_reward_funcs
 from ..utils.requirements import require
 from ..utils.tokenizer import load_tokenizer
+from . import precheck
 
 logger = logging.getLogger(__name__)
 
@@ -232,46 +232,36 @@ def write_help() -> Path:
     `option_kinds()` to cli/train_options.json, which `precheck` checks recipes against before TRL is imported (`make
     style` runs this; a test fails when either file is stale)."""
     from . import TRAIN_HELP
-    from .precheck import OPTIONS
 
     TRAIN_HELP.write_text(short_help())
-    OPTIONS.write_text(json.dumps(option_kinds(), indent=0, sort_keys=True) + "\n")
+    precheck.OPTIONS.write_text(json.dumps(option_kinds(), indent=0, sort_keys=True) + "\n")
     return TRAIN_HELP
 
 
 def option_kinds() -> dict[str, str]:
     """Every ``--option`` of `exgrpo train` and the kind of value it takes (`precheck.option_kind`)."""
-    from .precheck import option_kind
-
-    return {o: option_kind(a) for a in build_parser()._actions for o in a.option_strings if o.startswith("--")}
+    actions = build_parser()._actions
+    return {o: precheck.option_kind(a) for a in actions for o in a.option_strings if o.startswith("--")}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, ExGRPOConfig, ModelConfig]:
     """Parse ``--config RECIPE.yaml`` plus command-line overrides (`sys.argv[1:]` when `argv` is None). A missing
     recipe, an unknown key or option (with the nearest known one) and a value of the wrong type are UsageErrors."""
-    import yaml
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    recipe = None
     if "--config" not in argv:  # else TRL's defaults run (bf16 on, no model) and fail somewhere unrelated
         raise UsageError(
             "no recipe: exgrpo train --config RECIPE.yaml [--FIELD VALUE ...] (recipes/ holds examples; "
             "exgrpo train --help lists the options)"
         )
-    if "--config" in argv:
-        position = argv.index("--config")
-        if position + 1 == len(argv):
-            raise UsageError("--config needs the recipe's path: --config RECIPE.yaml")
-        recipe = argv[position + 1]
-        if not os.path.isfile(recipe):
-            raise UsageError(f"--config {recipe}: no such file")
+    mistake = precheck.check(argv)  # the recipe file, its keys and the plain values, as `exgrpo train` checks first
+    if mistake is not None:
+        raise UsageError(mistake)
+    recipe = argv[argv.index("--config") + 1]
     parser = build_parser()
-    try:
-        *parsed, from_recipe, from_command_line = parser.parse_args_and_config(
-            args=argv, return_remaining_strings=True, separate_remaining_strings=True
-        )
-    except yaml.YAMLError as e:
-        raise UsageError(f"--config {recipe} is not valid YAML ({' '.join(str(e).split())})") from e
+    *parsed, from_recipe, from_command_line = parser.parse_args_and_config(
+        args=argv, return_remaining_strings=True, separate_remaining_strings=True
+    )
     known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
     for where, unknown in ((f"in {recipe}", from_recipe), ("", from_command_line)):
         names = [item for item in unknown if item.startswith("--")] or unknown
@@ -283,14 +273,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, ExGRPOCo
 
 def _with_suggestion(name: str, known: list[str], where: str) -> str:
     """'--learning_rte (did you mean --learning_rate?)'; recipe keys are named without the dashes."""
-    close = difflib.get_close_matches(name, known, n=1)
     if where:
-        name = name.lstrip("-")
-        close = [c.lstrip("-") for c in close]
-        text = f"{name} {where}"
-    else:
-        text = name
-    return f"{text} (did you mean {close[0]}?)" if close else f"{text} (exgrpo train --help lists the options)"
+        return f"{name.lstrip('-')} {where}" + precheck.suggestion(name.lstrip("-"), [k.lstrip("-") for k in known])
+    return name + precheck.suggestion(name, known)
 
 
 _TRUE = ("true", "yes", "1")
@@ -421,12 +406,13 @@ def reporting_errors(func: Callable) -> Callable:
 class StopOnInterrupt(TrainerCallback):
     """Ctrl-C (SIGINT) during training saves a checkpoint and stops at the end of the first optimizer step that ends a
     generation batch (at most `steps_per_generation` steps on), so that the checkpoint resumes bitwise; a second
-    Ctrl-C stops at once. Every rank stops at the same step: the request is reduced over the ranks at each step."""
+    Ctrl-C stops at once. Every rank stops at the same step: the request is reduced over the ranks at the steps that
+    end a generation batch, the only ones a run can stop at (one collective per generation batch, not per step)."""
 
-    def __init__(self):
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
         self.requested = False
         self.stopped_at: int | None = None
-        self.trainer = None  # set once the trainer exists (for its accelerator)
 
     def handle(self, signum, frame) -> None:
         if self.requested:
@@ -446,12 +432,13 @@ class StopOnInterrupt(TrainerCallback):
             signal.signal(signal.SIGINT, previous)
 
     def on_step_end(self, args, state, control, **kwargs):
+        if not ends_generation_batch(args, state.global_step):  # the same on every rank
+            return control
         requested = self.requested
-        accelerator = getattr(self.trainer, "accelerator", None)
-        if accelerator is not None and accelerator.num_processes > 1:  # a collective: every rank, every step
-            flag = torch.tensor([float(requested)], device=accelerator.device)
-            requested = bool(accelerator.reduce(flag, reduction="max").item())
-        if requested and ends_generation_batch(args, state.global_step):
+        if self.accelerator.num_processes > 1:  # a collective, at the same steps on every rank
+            flag = torch.tensor([float(requested)], device=self.accelerator.device)
+            requested = bool(self.accelerator.reduce(flag, reduction="max").item())
+        if requested:
             control.should_save = control.should_training_stop = True
             self.stopped_at = state.global_step
         return control
@@ -629,8 +616,7 @@ def _train_in(script_args: ScriptArguments, training_args: ExGRPOConfig, model_a
     if script_args.validation_dataset and script_args.validation_steps > 0:
         _attach_validation(trainer, script_args, training_args)
 
-    stop = StopOnInterrupt()
-    stop.trainer = trainer
+    stop = StopOnInterrupt(trainer.accelerator)
     trainer.add_callback(stop)
     try:
         with stop.installed():

@@ -70,16 +70,10 @@ def final_mean(record: dict) -> float:
     return statistics.fmean(values)
 
 
-def _curve(record: dict, axis: str) -> tuple[list[float], list[float]]:
-    """The held-out curve against `axis` ("rollouts" or "step"), its last point the final model's mean."""
-    x, y = list(record["curve"][axis]), list(record["curve"]["pass_at_1"])
-    y[-1] = final_mean(record)
-    return x, y
-
-
 def curve_at(record: dict, rollouts: float) -> float:
-    """Held-out pass@1 at `rollouts` generated rollouts: linear between evaluations, the last one held beyond."""
-    x, y = _curve(record, "rollouts")
+    """Held-out pass@1 at `rollouts` generated rollouts: linear between evaluations (the last one the final model's
+    mean, `final_mean`), held beyond it."""
+    x, y = record["curve"]["rollouts"], [*record["curve"]["pass_at_1"][:-1], final_mean(record)]
     if rollouts >= x[-1]:
         return y[-1]
     for (x0, y0), (x1, y1) in zip(zip(x, y), zip(x[1:], y[1:])):
