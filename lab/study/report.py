@@ -153,6 +153,66 @@ def figure(runs: list[dict], path: Path, arms: list[str]) -> None:
     plt.close(fig)
 
 
+def _smooth(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to `window` values (the dashboards' smoothing)."""
+    return [statistics.fmean(values[max(0, i + 1 - window) : i + 1]) for i in range(len(values))]
+
+
+def curves_figure(grpo: dict, exgrpo: dict, path: Path, window: int = 10) -> None:
+    """One seed's training curves, GRPO beside ExGRPO, as the logged metrics draw them on a dashboard: held-out pass@1
+    (the evaluation callback), the batch's pass@1 (`exgrpo/batch/pass_at_1`), the share of fresh groups with no
+    success (TRL's `frac_reward_zero_std`, all-fail part) against the share of questions replayed
+    (`exgrpo/replay/fraction`), and ExGRPO's buffer by bucket with the retired questions (`exgrpo/buffer/*`).
+    Per-batch series are smoothed over `window` generation batches."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11.5, 7.0))
+    (held_out, batch), (groups, buffer) = axes
+    for record, style in ((grpo, "-"), (exgrpo, "-")):
+        arm = record["arm"]
+        curve = record["curve"]
+        held_out.plot(curve["step"], curve["pass_at_1"], style, marker="o", ms=3, label=arm)
+        steps = record["steps"]
+        passed = [(i + 1, v) for i, v in enumerate(steps["batch_pass_at_1"]) if v is not None]
+        if passed:
+            batch.plot([s for s, _ in passed], _smooth([v for _, v in passed], window), style, label=arm)
+        batches = [b for b in record.get("batches") or [] if b["fresh_groups"]]
+        if batches:
+            share = [b["fresh_all_fail"] / b["fresh_groups"] for b in batches]
+            groups.plot([b["step"] for b in batches], _smooth(share, window), label=f"{arm}: fresh groups all-fail")
+    planned = [(i + 1, r / (r + f)) for i, (r, f) in enumerate(zip(exgrpo["steps"]["replayed"],
+               exgrpo["steps"]["fresh_questions"])) if r + f]  # fmt: skip
+    groups.plot([s for s, _ in planned], _smooth([v for _, v in planned], window), "--",
+                label=f"{exgrpo['arm']}: questions replayed")  # fmt: skip
+    stored = [b for b in exgrpo.get("batches") or [] if b.get("buckets")]
+    if stored:
+        ks = sorted(stored[0]["buckets"], key=int)
+        buffer.stackplot([b["step"] for b in stored], [[b["buckets"][k] for b in stored] for k in ks],
+                         labels=[f"bucket {k}" for k in ks], alpha=0.8)  # fmt: skip
+    retired = exgrpo["steps"]["retired"]
+    buffer.plot(range(1, len(retired) + 1), retired, color="black", lw=1.5, label="retired")
+    titles = (
+        (held_out, "held-out pass@1", "pass@1"),
+        (batch, f"batch pass@1, replayed groups included (exgrpo/batch/pass_at_1, {window}-batch mean)", "pass@1"),
+        (groups, f"share per generation batch ({window}-batch mean)", "share"),
+        (buffer, f"{exgrpo['arm']} buffer: questions by bucket (exgrpo/buffer/*)", "questions"),
+    )
+    for ax, title, ylabel in titles:
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("optimizer updates")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=2 if ax is buffer else 1)
+    fig.suptitle(f"{exgrpo['task']}, seed {exgrpo['seed']}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
 def report(results: Path, tasks: list[str] | None, arms: list[str] | None) -> tuple[dict, str]:
     runs = []
     for path in sorted(results.glob("*/*/seed*.json")):
@@ -173,8 +233,8 @@ def report(results: Path, tasks: list[str] | None, arms: list[str] | None) -> tu
 
 def sweep_report(runs: list[dict], results: Path) -> str:
     """The step-size sweep and the difficulty axis (`regimes.compare` on both axes), the regime table and, from the
-    per-generation-batch records, the diagnostics of each difficulty point; written as sweep.json, sweep.png and
-    difficulty.png."""
+    per-generation-batch records, the diagnostics of each difficulty point; written as sweep.json, sweep.png,
+    difficulty.png and (the hardest point's seed 0, GRPO beside ExGRPO) curves.png."""
     from . import regimes
 
     points = regimes.sweep(runs, SWEEP_FAMILY)
@@ -202,6 +262,9 @@ def sweep_report(runs: list[dict], results: Path) -> str:
     regimes.sweep_figure(points, old, results / "sweep.png", sd)
     if hard:
         regimes.difficulty_figure(hard, results / "difficulty.png", sd)
+    seed0 = {r["arm"]: r for r in by_task.get(DIFFICULTY_POINTS[-1], []) if r["seed"] == 0}
+    if "grpo" in seed0 and "exgrpo" in seed0:
+        curves_figure(seed0["grpo"], seed0["exgrpo"], results / "curves.png")
     axes = (
         "paired by seed, median [min, max]; final: the mean of the final model's evaluations; equal updates: after "
         "the same optimizer updates; equal rollouts: GRPO read at ExGRPO's generated rollouts"

@@ -77,6 +77,9 @@ def python_block(page: Path, heading: str) -> str:
 # test below.
 PYTHON_BLOCKS = {
     (README, "## Quick start (GPU)"): "test_quick_start_replays",
+    (README, "## Quick start (CPU)"): "test_cpu_quick_start_replays_as_pasted",
+    (DOCS / "exgrpo_trainer.md", "## Quick start on a CPU"): "test_cpu_quick_start_replays_as_pasted",
+    (DOCS / "exgrpo_trainer.md", "## Custom rewards"): "test_custom_rewards_example",
     (DOCS / "exgrpo_trainer.md", "## Quick start"): "test_quick_start_replays",
     (DOCS / "exgrpo_trainer.md", "## Quick start on one GPU: LoRA and vLLM colocate"): "test_lora_quick_start_replays",
     (DOCS / "exgrpo_trainer.md", "## Expected dataset type"): "test_dataset_examples",
@@ -111,6 +114,8 @@ def test_docs_build_strictly(tmp_path):
     assert (site / "_repo" / "benchmarks" / "results" / "study" / "study.png").is_file()
     for name in ("study.png", "sweep.png", "difficulty.png"):
         assert f'src="../_repo/benchmarks/results/study/{name}"' in (site / "study" / "index.html").read_text()
+    trainer_page = (site / "exgrpo_trainer" / "index.html").read_text()
+    assert 'src="../_repo/benchmarks/results/study/curves.png"' in trainer_page
 
 
 def test_strict_build_fails_on_broken_links_anchors_and_orphan_pages(tmp_path):
@@ -119,7 +124,7 @@ def test_strict_build_fails_on_broken_links_anchors_and_orphan_pages(tmp_path):
     shutil.copy(ROOT / "mkdocs.yml", tmp_path)
     figure = tmp_path / "benchmarks" / "results" / "study"
     figure.mkdir(parents=True)
-    for name in ("study.png", "sweep.png", "difficulty.png"):
+    for name in ("study.png", "sweep.png", "difficulty.png", "curves.png"):
         shutil.copy(ROOT / "benchmarks" / "results" / "study" / name, figure)
     with open(tmp_path / "docs" / "cpu.md", "a") as f:
         f.write("\n[a](algorithm.md#no-such-heading) [b](../no/such/file.yaml) [c](gone.md)\n")
@@ -153,7 +158,7 @@ def test_nothing_cites_a_file_outside_the_repository():
 
 
 def test_readme_is_a_front_page():
-    """It was a 6,600-word research log; it is what ExGRPO is, install, a GPU quick start, the CPU commands, the
+    """It was a 6,600-word research log; it is what ExGRPO is, install, a GPU and a CPU quick start, the CPU commands, the
     headline result (the study's sweep across step sizes) with its figure, and links to the pages."""
     text = README.read_text()
     assert len(text.split()) < 1000, len(text.split())
@@ -161,6 +166,7 @@ def test_readme_is_a_front_page():
         "# exgrpo-trl",
         "## Install",
         "## Quick start (GPU)",
+        "## Quick start (CPU)",
         "## On a CPU, two commands",
         "## The result at CPU scale",
         "## Documentation",
@@ -173,19 +179,32 @@ def test_readme_is_a_front_page():
 
 
 def test_trainer_page_has_trls_parts():
-    """TRL's trainer pages: overview, quick start, expected dataset type, how it works, metrics, the config."""
+    """TRL's trainer pages: overview, a quick start (whose first lines say that ours must set the batch shape) with
+    `accelerate launch` right after it, expected dataset type, custom rewards, vLLM server mode, how it works, metrics
+    with a training-curves figure, the config."""
+    text = (DOCS / "exgrpo_trainer.md").read_text()
     page = headings(DOCS / "exgrpo_trainer.md")
     for part in (
         "## Overview",
         "## Quick start",
+        "## Quick start on a CPU",
         "## Quick start on one GPU: LoRA and vLLM colocate",
+        "## vLLM server mode",
         "## Expected dataset type",
+        "## Custom rewards",
         "## How it works inside TRL",
         "## Logged metrics",
+        "### Training curves",
         "## ExGRPOConfig",
         "## Compatibility with GRPOTrainer features",
     ):
         assert part in page, part
+    quick = text[text.index("## Quick start\n") : text.index("## Quick start on a CPU")]
+    assert "set the batch shape" in quick[: quick.index("```python")]
+    assert "accelerate launch train_exgrpo.py" in quick[quick.index("trainer.train()") :]
+    assert "trl vllm-serve" in text[text.index("## vLLM server mode") : text.index("## Expected dataset type")]
+    figure = re.search(r"!\[[^]]*\]\(\.\./([^)]+\.png)\)", text[text.index("### Training curves") :])
+    assert figure and (ROOT / figure.group(1)).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_config_reference_lists_every_exgrpo_field():
@@ -279,6 +298,43 @@ def test_lora_quick_start_replays(tmp_path):
     # one row per update, each with the fraction of the batch it trained on (two updates a batch)
     assert [f for f in _replayed(out) if f is not None] == [0.0, 0.0, 0.0, 0.0, 0.5, 0.5]
     assert "MODEL_CLASS PeftModelForCausalLM" in out
+
+
+def test_cpu_quick_start_replays_as_pasted(tmp_path):
+    """The CPU quick start runs as a user pastes it (no replacement: it builds its own model and data), and replays:
+    the warm start puts the batch pass@1 above the delayed start's 0.35 at the first generation batch, so from the
+    second update on half of each batch's 8 questions are replayed and the buffer grows."""
+    readme = python_block(README, "## Quick start (CPU)")
+    assert readme == python_block(DOCS / "exgrpo_trainer.md", "## Quick start on a CPU")
+    epilogue = REPLAY_LOG + (
+        'print("BUFFER_LOG", json.dumps([e.get("exgrpo/buffer/questions") for e in trainer.state.log_history]))\n'
+    )
+    out = _run_snippet(readme, tmp_path, [], epilogue)
+    fractions = [f for f in _replayed(out) if f is not None]
+    # 20 updates logged every 5: the first window holds the on-policy first update, then every update replays 4 of 8
+    assert len(fractions) == 4 and 0 < fractions[0] < 0.5 and fractions[1:] == [0.5, 0.5, 0.5], fractions
+    line = next(line for line in out.splitlines() if line.startswith("BUFFER_LOG "))
+    sizes = [s for s in json.loads(line.split(" ", 1)[1]) if s is not None]
+    assert len(sizes) == 4 and 0 < sizes[0] < sizes[-1], sizes
+    assert (tmp_path / "tiny-exgrpo").is_dir()
+
+
+def test_custom_rewards_example(tmp_path, monkeypatch):
+    """The custom rewards score as the page says, by hand: a boxed correct answer with </think> totals 1.1 (solved at
+    the default threshold 1.0), a well-formed wrong one 0.1 (not solved); and saved as my_rewards.py in the current
+    folder they are found by name, as the command line's `module:function` finds them."""
+    code = python_block(DOCS / "exgrpo_trainer.md", "## Custom rewards")
+    (tmp_path / "my_rewards.py").write_text(code)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
+    from exgrpo_trl.tasks.rewards import get_reward_funcs
+
+    boxed, think = get_reward_funcs(["my_rewards:boxed_reward", "my_rewards:think_format_reward"])
+    completions = ["a</think> so \\boxed{12}", "</think> \\boxed{13}", [{"role": "assistant", "content": "\\boxed{ 12 }"}]]
+    answers = ["12", "12", "12"]
+    totals = [a + b for a, b in zip(boxed(completions, answer=answers), think(completions))]
+    assert totals == [1.1, 0.1, 1.0]
+    assert [total >= 1.0 for total in totals] == [True, False, True]
 
 
 def test_dataset_examples():
@@ -429,11 +485,17 @@ def check_command(command: str, capsys) -> None:
         assert run.returncode == 0, run.stdout + run.stderr
     elif program == "accelerate":
         assert words[1] == "launch"
-        at = words.index("-m")
-        launcher = words[2:at]
-        assert (ROOT / launcher[launcher.index("--config_file") + 1]).is_file(), words
-        assert words[at + 1] == "exgrpo_trl.cli.train"
-        train_cli.parse_args(words[at + 2 :])
+        if "-m" not in words:  # the trainer page's quick start, saved as the page says
+            assert words[-1] == "train_exgrpo.py", words
+            assert "Save it as `train_exgrpo.py`" in (DOCS / "exgrpo_trainer.md").read_text()
+            launcher = words[2:-1]
+        else:
+            at = words.index("-m")
+            launcher = words[2:at]
+            assert words[at + 1] == "exgrpo_trl.cli.train"
+            train_cli.parse_args(words[at + 2 :])
+        if "--config_file" in launcher:
+            assert (ROOT / launcher[launcher.index("--config_file") + 1]).is_file(), words
     elif program == "trl":
         assert words[1] == "vllm-serve"
         model = words[words.index("--model") + 1]

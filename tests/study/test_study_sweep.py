@@ -214,3 +214,17 @@ def test_batch_diagnostics_by_hand():
     assert d["is_weight_p95"] == 2.0 and d["age_mean"] == 3.0 and d["seeds"] == 1
     table = regimes.diagnostics_markdown({"exgrpo": d})
     assert "| fresh groups all-fail (share) | 0.500 |" in table
+
+
+def test_training_curves_figure_from_one_seed(tmp_path):
+    from lab.study.report import _smooth, curves_figure
+
+    # a trailing mean over up to 2 values: 1, (1 + 2) / 2, (2 + 3) / 2, (3 + 4) / 2
+    assert _smooth([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    steps = {"batch_pass_at_1": [0.1, None], "fresh_questions": [2, 0], "replayed": [0, 0], "retired": [0, 0]}
+    batch = {"step": 1, "fresh_groups": 2, "fresh_all_fail": 1, "buckets": None}
+    grpo = make_record("hard", "grpo", 0, [0, 2], [0, 16], [0.1, 0.2], steps=steps, batches=[batch])
+    stored = {**batch, "buckets": {"1": 1, "2": 0}}
+    exgrpo = make_record("hard", "exgrpo", 0, [0, 2], [0, 16], [0.1, 0.2], steps=steps, batches=[stored])
+    curves_figure(grpo, exgrpo, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
