@@ -158,8 +158,8 @@ def test_nothing_cites_a_file_outside_the_repository():
 
 
 def test_readme_is_a_front_page():
-    """It was a 6,600-word research log; it is what ExGRPO is, install, a GPU and a CPU quick start, the CPU commands, the
-    headline result (the study's sweep across step sizes) with its figure, and links to the pages."""
+    """It was a 6,600-word research log; it is what ExGRPO is, install, a GPU and a CPU quick start, the CPU commands,
+    the headline result (the study's sweep across step sizes) with its figure, and links to the pages."""
     text = README.read_text()
     assert len(text.split()) < 1000, len(text.split())
     assert headings(README) == [
@@ -330,7 +330,8 @@ def test_custom_rewards_example(tmp_path, monkeypatch):
     from exgrpo_trl.tasks.rewards import get_reward_funcs
 
     boxed, think = get_reward_funcs(["my_rewards:boxed_reward", "my_rewards:think_format_reward"])
-    completions = ["a</think> so \\boxed{12}", "</think> \\boxed{13}", [{"role": "assistant", "content": "\\boxed{ 12 }"}]]
+    chat = [{"role": "assistant", "content": "\\boxed{ 12 }"}]
+    completions = ["a</think> so \\boxed{12}", "</think> \\boxed{13}", chat]
     answers = ["12", "12", "12"]
     totals = [a + b for a, b in zip(boxed(completions, answer=answers), think(completions))]
     assert totals == [1.1, 0.1, 1.0]
