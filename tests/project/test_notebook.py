@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "notebooks" / "exgrpo_lora_single_gpu.ipynb"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 BUFFER_PRINTED = re.compile(r"buffer at the end: (\d+) questions, (\d+) trajectories, (\d+) retired")
+SUMMARY = re.compile(r"solved before (\d\.\d\d), after (\d\.\d\d); completions that changed: (\d+) of (\d+)")
 BUFFER_CARD = re.compile(
     r"Experience buffer at the end of training: (\d+) questions, (\d+) trajectories, (\d+) retired"
 )
@@ -120,8 +121,19 @@ def test_notebook_compares_completions(executed):
     for column in ("question", "answer", "before", "reward before", "after", "reward after"):
         assert f"<th>{column}</th>" in html
     body = html[html.index("<tbody>") : html.index("</tbody>")]
-    assert body.count("<tr>") == 4
-    assert len(re.findall(r"<td>\d+\+\d+=</td>", body)) == 4  # the four held-out additions
+    assert body.count("<tr>") == 16
+    assert len(re.findall(r"<td>\d+\+\d+=</td>", body)) == 16  # the 16 held-out additions
+    # the summary line: solved shares before and after, and how many completions the 20 updates changed (it showed
+    # 0/4 solved before and after, nothing that moved); the shares are k / 16
+    (summary,) = SUMMARY.findall(_text(cell))
+    before, after, changed, shown = float(summary[0]), float(summary[1]), int(summary[2]), int(summary[3])
+    rows = [re.findall(r"<td>(.*?)</td>", row) for row in body.split("<tr>")[1:]]
+    # columns: question, answer, before, reward before, after, reward after; the line agrees with the table
+    assert shown == 16 and changed == sum(r[2] != r[4] for r in rows) and changed > 0
+    assert (before, after) == (
+        round(sum(float(r[3]) for r in rows) / 16, 2),
+        round(sum(float(r[5]) for r in rows) / 16, 2),
+    )
 
 
 def test_notebook_card_and_push(executed):
