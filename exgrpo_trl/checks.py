@@ -135,6 +135,25 @@ def require_loggers(report_to) -> None:
             raise ImportError(f"report_to: {name} needs {module}, which is not installed: pip install {module}")
 
 
+def check_offline_arguments(params: dict[str, Any]) -> None:
+    """Offline guidance (`offline_solutions_column`) needs that column in the train_dataset, and single-turn rollouts:
+    an offline solution has no tool calls, environment steps or rollout-function fields to carry."""
+    column = getattr(params["args"], "offline_solutions_column", None)
+    if column is None:
+        return
+    for name in ("tools", "environment_factory", "rollout_func"):
+        if params.get(name):
+            raise ValueError(
+                f"offline_solutions_column cannot be used with {name}: an offline solution is single-turn text, "
+                "with no tool calls, environment steps or rollout fields to replay"
+            )
+    dataset = params.get("train_dataset")
+    columns = getattr(dataset, "column_names", None)
+    if dataset is None or (columns is not None and column not in columns):
+        have = ", ".join(columns or []) or "no train_dataset"
+        raise ValueError(f"offline_solutions_column {column!r} is not a column of the train_dataset ({have})")
+
+
 def check_arguments(params: dict[str, Any]) -> None:
     """Before GRPOTrainer.__init__: the arguments (`params`, bound to GRPOTrainer's signature) ExGRPO cannot train
     with. Without `args`, an ExGRPOConfig of the paper's defaults is put in."""
@@ -162,6 +181,7 @@ def check_arguments(params: dict[str, Any]) -> None:
     if "image" in columns or "images" in columns:
         raise NotImplementedError(IMAGE_INPUTS)
     check_prompt_column(params.get("train_dataset"), "train_dataset")
+    check_offline_arguments(params)
     eval_dataset = params.get("eval_dataset")
     for name, dataset in eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]:
         check_prompt_column(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset")

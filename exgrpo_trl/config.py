@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig
 
+from .offline import OFFLINE_GUIDANCE
+
 QUESTION_SELECTIONS = ("gaussian", "uniform")
 TRAJECTORY_SELECTIONS = ("lowest_entropy", "random", "highest_entropy")
 
@@ -125,6 +127,25 @@ class ExGRPOConfig(GRPOConfig):
         },
     )
 
+    offline_solutions_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "Offline guidance (LUFFY's mixed groups, docs/algorithm.md section 11): the train_dataset column "
+            "holding one or more reference completions per question (text or an assistant message, as OpenR1-Math's "
+            "'target'). A question with one gets it as the first row of its fresh groups, beside K - 1 generated "
+            "rollouts, with behaviour probability 1; a solution the reward functions do not score as solved is never "
+            "used again. None (default): off, the paper's ExGRPO."
+        },
+    )
+    offline_guidance: str = field(
+        default="all_groups",
+        metadata={
+            "help": "Which fresh groups get an offline solution: 'all_groups' (LUFFY: every group of a question that "
+            "has one) or 'unsolved' (only questions the model has not solved itself: no on-policy success stored, "
+            "not retired)."
+        },
+    )
+
     # TRL's default (True) under transformers' deprecated name made every config, and so every `exgrpo train`, warn
     # (FutureWarning: use `activation_checkpointing`) whether or not the option was used. Unset here: __post_init__
     # gives TRL's default to the new name, and transformers warns only when the old name is set.
@@ -204,6 +225,14 @@ class ExGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"success_reward_threshold must be a finite number (the weighted total reward at which a rollout "
                 f"counts as solved), got {self.success_reward_threshold}."
+            )
+        if self.offline_guidance not in OFFLINE_GUIDANCE:
+            raise ValueError(f"offline_guidance must be one of {OFFLINE_GUIDANCE}, got {self.offline_guidance!r}.")
+        if self.offline_solutions_column is not None and not (
+            isinstance(self.offline_solutions_column, str) and self.offline_solutions_column
+        ):
+            raise ValueError(
+                f"offline_solutions_column must be a column name or None, got {self.offline_solutions_column!r}."
             )
         if self.num_generations is not None and self.num_generations < 2:
             raise ValueError(

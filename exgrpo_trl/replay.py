@@ -129,7 +129,8 @@ class RowAssignment:
 
     inputs: list[dict[str, Any]]  # the dataset rows, replayed groups' rows replaced by their question's
     replay_rows: list[int]  # per local row: the plan index whose stored trajectory it carries, -1 for a fresh row
-    splice: dict[int, list[int]]  # local row -> stored completion ids to put in place of a generated one
+    splice: dict[int, list[int]]  # local row -> stored (or offline) completion ids to put in place of a generated one
+    offline: dict[int, Any] = field(default_factory=dict)  # local row -> its `offline.OfflineRow` (also in `splice`)
 
     def is_replayed(self, local: int) -> bool:
         return self.replay_rows[local] >= 0
@@ -229,7 +230,7 @@ def collect(
     masks: Sequence[Sequence[int] | None] | None = None,
 ) -> PendingCollection:
     """What this rank will commit (algorithm §2, §4): every group with k > 0 (K/K retires it; before the delayed start
-    only retirement counts), and, while collecting, the solved fresh rows of groups with 0 < k < K whose completion
+    only retirement counts), and, while collecting, the solved generated rows of groups with 0 < k < K whose completion
     the model ended: its last token is a stop token and the model's (a truncated completion, or a multi-turn one
     whose last tokens a tool or an environment wrote, is never stored). `masks`: per local row, 1 for the model's
     tokens (None: all of them)."""
@@ -251,6 +252,7 @@ def collect(
             and 0 < successes < k
             and bool(outcome.solved[global_row])
             and not rows.is_replayed(local)
+            and local not in rows.offline  # an offline solution is not the model's own success (algorithm §11)
             and ids
             and ids[-1] in stop_ids
             and (mask is None or bool(mask[len(ids) - 1]))

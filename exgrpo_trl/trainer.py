@@ -21,12 +21,13 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
-from .buffer import ExperienceBuffer
+from .buffer import ExperienceBuffer, question_key
 from .card import add_section, exgrpo_card_section, fix_local_references
 from .checkpoints import remove_state_leftovers, restore_state, rotate_checkpoints
 from .checks import check_arguments, check_built, threshold_mismatch
 from .config import ExGRPOConfig
 from .loss import aggregate_token_loss, shaped_replay_token_loss
+from .offline import OfflineGuide, offline_rows
 from .replay import (
     BatchOutcome,
     PendingCollection,
@@ -62,6 +63,7 @@ class BatchKey:
     REPLAY_MASK = "exgrpo_replay_mask"  # (B,) the row carries a stored trajectory
     BEHAVIOUR_LOGPS = "exgrpo_behaviour_logps"  # (B, T) the stored trajectory's behaviour log-probs, 0 elsewhere
     UNCLIPPED = "exgrpo_unclipped"  # (B,) generated after replay started: no PPO clip on its fresh tokens
+    OFFLINE = "exgrpo_offline"  # (B,) the row carries an offline solution (in REPLAY_MASK too; behaviour log-prob 0)
 
 
 @dataclass
@@ -190,6 +192,17 @@ class ExGRPOTrainer(GRPOTrainer):
             question_selection=cfg.question_selection,
             seed=cfg.seed,
         )
+        # Offline guidance (`offline.py`): reference solutions as each fresh group's first row; None when off.
+        self.offline_guide: OfflineGuide | None = None
+        if cfg.offline_solutions_column is not None:
+            eos = self._tokenizer.eos_token_id
+
+            def tokenize(text: str) -> list[int]:  # as the model's completion of its prompt: the text, then EOS
+                return list(self._tokenizer(text, add_special_tokens=False)["input_ids"]) + [eos]
+
+            self.offline_guide = OfflineGuide(
+                cfg.offline_solutions_column, cfg.offline_guidance, self.max_completion_length, tokenize
+            )
         # Training state beside the buffer (persisted with checkpoints).
         self.exgrpo_state = {"replay_active": not cfg.replay_start_pass_rate, "generation_batches": 0}
         self._exgrpo_batch: GenerationBatch | None = None  # the generation batch being scored
@@ -198,6 +211,7 @@ class ExGRPOTrainer(GRPOTrainer):
         self._exgrpo_sampler: SkipRetiredSampler | None = None
         self._exgrpo_threshold_warned = False  # `_exgrpo_check_threshold` speaks once per run
         self._exgrpo_record_warned = False  # `_exgrpo_row_record` speaks once per run
+        self._exgrpo_offline_warned = False  # the too-long offline solutions, once per run
         # The plan of the last training generation batch (None: nothing replayed), for callbacks and studies.
         self.last_replay_plan: ReplayPlan | None = None
         # Set it to a list to receive, per loss pass, the importance weights w of this rank's replayed tokens (1-D,
@@ -230,6 +244,8 @@ class ExGRPOTrainer(GRPOTrainer):
         self._exgrpo_flush()  # normally already done after the first loss pass; a no-op then
         plan = self.last_replay_plan = self._exgrpo_make_plan(len(inputs))
         rows = self._exgrpo_apply_plan(inputs, plan)
+        if self.offline_guide is not None:
+            self._exgrpo_add_offline_rows(rows, plan)
         self._pending_extra_logs[REPLAYED_COLUMN].extend(rows.is_replayed(i) for i in range(len(inputs)))
         batch = self._exgrpo_batch = GenerationBatch(plan, rows)
         try:
@@ -480,12 +496,64 @@ class ExGRPOTrainer(GRPOTrainer):
         """This rank's rows with the plan applied (`replay.assign_rows`)."""
         return assign_rows(inputs, plan, process_index=self.accelerator.process_index, k=self.num_generations)
 
+    def _exgrpo_add_offline_rows(self, rows: RowAssignment, plan: ReplayPlan | None) -> None:
+        """Give each fresh group's first row held here its question's offline solution (`offline.offline_rows`): it
+        is spliced in place of a generated completion, as a replayed group's stored trajectory is."""
+        keys = [question_key(x["prompt"]) for x in rows.inputs]
+        chosen = offline_rows(
+            rows.inputs,
+            self.offline_guide,
+            keys,
+            replayed_groups=plan.group_indices if plan is not None else (),
+            process_index=self.accelerator.process_index,
+            k=self.num_generations,
+            retired=self.experience_buffer.retired,
+        )
+        for local, (row, ids) in chosen.items():
+            rows.splice[local] = ids
+            rows.offline[local] = row
+
+    def _exgrpo_score_offline_rows(self, batch: GenerationBatch, outcome: BatchOutcome, output: dict) -> None:
+        """After the reward functions have scored the batch: every rank learns every offline row's verdict (one
+        collective), a solution scored unsolved is rejected for good and its row gets advantage 0 (no gradient; it
+        leaves the replayed-token term), and the batch's Pass@1 (the delayed start's) counts generated rows only."""
+        guide = self.offline_guide
+        local_rows = [(row.key, row.index, row.global_row) for row in batch.rows.offline.values()]
+        everything = [row for rank_rows in gather_object([local_rows]) for row in rank_rows]
+        unsolved = [(key, index) for key, index, g in everything if not bool(outcome.solved[g])]
+        guide.rejected.update(unsolved)
+        for local, row in list(batch.rows.offline.items()):
+            if not bool(outcome.solved[row.global_row]):
+                output["advantages"][local] = 0.0
+                del batch.rows.offline[local]
+        generated = torch.ones_like(outcome.solved)
+        generated[[g for _, _, g in everything]] = False
+        outcome.pass_at_1 = outcome.solved[generated].float().mean().item() if generated.any() else 0.0
+        num_groups = len(outcome.successes)
+        self._exgrpo_latest.update(
+            {
+                "offline/groups": len(everything) / max(1, num_groups),
+                "offline/unsolved": float(len(unsolved)),
+                "offline/rejected": float(len(guide.rejected)),
+            }  # fmt: skip
+        )
+        self._metrics["train"][METRIC_PREFIX + "offline/groups"].append(len(everything) / max(1, num_groups))
+        self._metrics["train"][METRIC_PREFIX + "offline/unsolved"].append(float(len(unsolved)))
+        if guide.too_long and not self._exgrpo_offline_warned:
+            logger.warning(
+                f"ExGRPO: {len(guide.too_long)} offline solution(s) are longer than max_completion_length "
+                f"({self.max_completion_length} tokens) once tokenized and are not used"
+            )
+            self._exgrpo_offline_warned = True
+
     # ------------------------------------------------------------------------------------------ after scoring
     def _exgrpo_after_scoring(self, batch: GenerationBatch, output: dict[str, Any]) -> None:
         """Everything that follows TRL's scoring of one generation batch (step 4 of the class docstring)."""
         cfg: ExGRPOConfig = self.args
         outcome = batch_outcome(batch.rewards, self.reward_weights, cfg.success_reward_threshold, self.num_generations)
         self._exgrpo_check_threshold(batch.rewards, outcome)
+        if self.offline_guide is not None:
+            self._exgrpo_score_offline_rows(batch, outcome, output)
         collecting = self.exgrpo_state["replay_active"]  # the state this batch was generated under
         spg = self.args.steps_per_generation
         tool_mask = output.get("tool_mask")  # (B, T): 0 where a tool or an environment inserted the token
@@ -563,15 +631,21 @@ class ExGRPOTrainer(GRPOTrainer):
         num_local = len(batch.rows.inputs)
         output[BatchKey.ROW] = torch.arange(num_local, device=device)
         output[BatchKey.COLLECT] = torch.tensor([i in pending.rows for i in range(num_local)], device=device)
-        if batch.plan is not None and batch.plan.with_trajectories:
+        # With offline guidance on, every batch of every rank carries the keys (the term's statistics are a
+        # collective), offline rows with behaviour log-prob 0.
+        if (batch.plan is not None and batch.plan.with_trajectories) or self.offline_guide is not None:
             replay_rows = batch.rows.replay_rows
             behaviour = torch.zeros(output["completion_ids"].shape, dtype=torch.float32, device=device)  # (B, T)
             for local, j in enumerate(replay_rows):
                 if j >= 0:
                     logps = batch.plan.behaviour_logps[j]
                     behaviour[local, : logps.numel()] = logps.to(device)
-            output[BatchKey.REPLAY_MASK] = torch.tensor([j >= 0 for j in replay_rows], device=device)
+            offline = [i in batch.rows.offline for i in range(num_local)]
+            output[BatchKey.REPLAY_MASK] = torch.tensor(
+                [j >= 0 or o for j, o in zip(replay_rows, offline)], device=device
+            )
             output[BatchKey.BEHAVIOUR_LOGPS] = behaviour
+            output[BatchKey.OFFLINE] = torch.tensor(offline, dtype=torch.bool, device=device)
 
     def _exgrpo_check_delayed_start(self, outcome: BatchOutcome) -> None:
         """Algorithm §7: judged on a purely on-policy batch, effective from the next generation batch; stays on."""
@@ -600,7 +674,7 @@ class ExGRPOTrainer(GRPOTrainer):
         if self.model.training and "loss" in logs:
             metrics = self._metrics["train"]
             for name, value in self._exgrpo_latest.items():
-                if not metrics.get(METRIC_PREFIX + name) or name == "replay/active":
+                if not metrics.get(METRIC_PREFIX + name) or name in ("replay/active", "offline/rejected"):
                     metrics[METRIC_PREFIX + name] = [value]
             if self.accelerator.is_main_process:  # only the main process holds the buffer's trajectories
                 buffer = self.experience_buffer
@@ -624,6 +698,8 @@ class ExGRPOTrainer(GRPOTrainer):
         if not keep_pending:
             self._exgrpo_pending = None
         gathered = gather_object([(pending.groups, pending.take_recorded())])
+        if self.offline_guide is not None:  # the questions the model has now solved itself (the `unsolved` rule)
+            self.offline_guide.self_solved.update(row.key for _, rows in gathered for row in rows)
         commit(
             self.experience_buffer,
             gathered,
@@ -637,6 +713,8 @@ class ExGRPOTrainer(GRPOTrainer):
         state = dict(self.exgrpo_state)
         if self._exgrpo_sampler is not None:
             state["sampler"] = self._exgrpo_sampler.state_dict()
+        if self.offline_guide is not None:
+            state["offline"] = self.offline_guide.state_dict()
         return state
 
     def _save_checkpoint(self, model, trial):
@@ -705,7 +783,9 @@ class ExGRPOTrainer(GRPOTrainer):
         )
         if saved is None:
             return
-        self.exgrpo_state.update({k: v for k, v in saved.items() if k not in ("sampler", "sampler_passes")})
+        self.exgrpo_state.update({k: v for k, v in saved.items() if k not in ("sampler", "sampler_passes", "offline")})
+        if self.offline_guide is not None:
+            self.offline_guide.load_state_dict(saved.get("offline", {}))
         if self._exgrpo_sampler is not None:
             # checkpoints before the sampler's state was saved hold the current epoch's passes only
             sampler_state = saved.get("sampler") or {"epoch": None, "passes": saved.get("sampler_passes", [])}
@@ -806,8 +886,13 @@ class ExGRPOTrainer(GRPOTrainer):
             steps_per_generation=self.args.steps_per_generation,
             training=True,
         )
-        # Statistics over replayed tokens of all ranks: one collective per micro-batch, on every rank.
+        # Statistics over replayed tokens and over offline tokens of all ranks: one collective per micro-batch, on
+        # every rank.
+        offline_rows = inputs.get(BatchKey.OFFLINE)
+        offline_mask = (mask * offline_rows.unsqueeze(1)).bool() if offline_rows is not None else None  # (B, T)
         token_mask = (mask * replay_mask).bool()  # (B, T)
+        if offline_mask is not None:
+            token_mask = token_mask & ~offline_mask
         weights = w[token_mask]  # (n,)
         if self.replay_token_weights is not None:
             self.replay_token_weights.append(weights.float().cpu())
@@ -820,9 +905,22 @@ class ExGRPOTrainer(GRPOTrainer):
                 weights.max() if token_mask.any() else w.new_tensor(0.0),
                 replay_loss.detach(),
                 (weights < gamma).sum().to(w.dtype) if gamma is not None else w.new_tensor(0.0),
+                *(
+                    [w[offline_mask].sum(), shaped[offline_mask].sum(), offline_mask.sum().to(w.dtype)]
+                    if offline_mask is not None
+                    else []
+                ),
             ]
         ).float()
-        stats = self.accelerator.gather(local.unsqueeze(0))  # (world, 6)
+        stats = self.accelerator.gather(local.unsqueeze(0))  # (world, 6), or (world, 9) with offline guidance
+        if offline_mask is not None and stats[:, 8].sum().item() > 0:  # w of an offline token is pi_theta itself
+            offline_count = stats[:, 8].sum().item()
+            self._metrics["train"][METRIC_PREFIX + "offline/token_prob_mean"].append(
+                stats[:, 6].sum().item() / offline_count
+            )
+            self._metrics["train"][METRIC_PREFIX + "offline/shaped_weight_mean"].append(
+                stats[:, 7].sum().item() / offline_count
+            )
         count = stats[:, 2].sum().item()
         metrics = self._metrics["train"]
         if count > 0:

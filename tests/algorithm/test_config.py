@@ -48,6 +48,8 @@ def test_every_field_has_help():
         "skip_retired_without_replay",
         "replay_stored_trajectory",
         "remove_clip_after_replay_start",
+        "offline_solutions_column",
+        "offline_guidance",
     }
     for f in fields(ExGRPOConfig):
         if f.name in own:

@@ -120,6 +120,13 @@ class RecordingTrainer(ExGRPOTrainer):
         self.batches[-1]["splice"] = dict(rows.splice)
         return rows
 
+    def _exgrpo_add_offline_rows(self, rows, plan):
+        self.batches[-1]["rejected_before"] = set(self.offline_guide.rejected)
+        self.batches[-1]["self_solved_before"] = set(self.offline_guide.self_solved)
+        super()._exgrpo_add_offline_rows(rows, plan)
+        self.batches[-1]["offline"] = {local: (row.key, row.index) for local, row in rows.offline.items()}
+        self.batches[-1]["splice"] = dict(rows.splice)
+
     def _generate_single_turn(self, *args, **kwargs):
         # Generation may stop at a different length on each rank (all sequences finished): not counted.
         self._generating = True

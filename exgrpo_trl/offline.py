@@ -1,0 +1,134 @@
+"""Offline guidance (algorithm §11): reference solutions from a dataset column join fresh GRPO groups as an off-policy
+row, LUFFY's mixed groups (arXiv 2504.14945) inside ExGRPO.
+
+A question whose dataset row holds a reference completion (`ExGRPOConfig.offline_solutions_column`) gets it as the
+first row of its fresh group, beside K - 1 generated rollouts, with behaviour log-prob 0 on every token (probability
+1: the policy that wrote it is unknown), so each of its tokens weighs f(pi_theta) = pi_theta / (pi_theta + gamma) in
+the replayed-token term. The decisions, each tested in `tests/algorithm/test_offline.py`:
+
+- which groups: every fresh group of a question with a usable solution (`all_groups`, LUFFY's rule), or only those of
+  questions the model has not yet solved itself, no on-policy success stored and not retired (`unsolved`); a
+  replayed group never gets one (it already holds its stored row);
+- which solution: the first of the question's solutions that is usable: it fits `max_completion_length` once
+  tokenized, and the reward functions have not scored it unsolved;
+- verification: the reward functions score an offline row like any row; one they do not score as solved carries no
+  gradient in that batch (its advantage is set to 0 and it leaves the replayed-token term) and is never used again;
+- the buffer: an offline row is never stored and never a candidate for lowest-entropy selection (the buffer holds
+  the model's own successes), but it counts in its group's successes k, as a replayed row does, so a question whose
+  K - 1 fresh rollouts all succeed beside its solution is retired.
+
+No trl, transformers or accelerate imports: the tokenizer is passed in, and the state is plain JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+OFFLINE_GUIDANCE = ("all_groups", "unsolved")
+
+
+def offline_texts(value: Any, column: str = "offline solutions") -> list[str]:
+    """The reference completions a dataset cell holds, as text: a string, an assistant message (TRL's conversational
+    completion: a list of messages, the last one's content), or a list of either. None or empty: none."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value] if value else []
+    if isinstance(value, dict):
+        return offline_texts([value], column)
+    if isinstance(value, (list, tuple)):
+        if value and all(isinstance(m, dict) for m in value):  # one conversational completion
+            content = value[-1].get("content")
+            if not isinstance(content, str):
+                raise ValueError(f"column {column}: a message without text content: {value[-1]!r}")
+            return [content] if content else []
+        texts = []
+        for item in value:
+            texts.extend(offline_texts(item, column))
+        return texts
+    raise ValueError(
+        f"column {column}: expected a string, a list of messages or a list of either, got {type(value).__name__}"
+    )
+
+
+@dataclass
+class OfflineGuide:
+    """Which fresh groups get an offline row, and with which solution; identical on every rank.
+
+    `tokenize(text) -> ids` gives a solution's completion token ids as the model's completion of its prompt would be
+    (its text, then EOS). `rejected` holds the (question key, solution index) pairs the reward functions scored
+    unsolved; `self_solved` the questions with an on-policy success stored. Both are training state (checkpoints).
+    """
+
+    column: str
+    rule: str
+    max_length: int
+    tokenize: Callable[[str], list[int]]
+    rejected: set[tuple[str, int]] = field(default_factory=set)
+    self_solved: set[str] = field(default_factory=set)
+    too_long: set[tuple[str, int]] = field(default_factory=set)
+    _cache: dict[tuple[str, int], list[int]] = field(default_factory=dict, repr=False)
+
+    def solution(self, key: str, row: dict[str, Any], retired: set[str] | frozenset = frozenset()):
+        """(index, token ids) of the solution question `key` (its dataset `row`) gets in a fresh group, or None."""
+        if self.rule == "unsolved" and (key in self.self_solved or key in retired):
+            return None
+        for index, text in enumerate(offline_texts(row.get(self.column), self.column)):
+            if (key, index) in self.rejected:
+                continue
+            ids = self._cache.get((key, index))
+            if ids is None:
+                ids = self._cache[(key, index)] = list(self.tokenize(text))
+            if len(ids) > self.max_length:
+                self.too_long.add((key, index))
+                continue
+            return index, ids
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "rejected": sorted([key, index] for key, index in self.rejected),
+            "self_solved": sorted(self.self_solved),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rejected = {(key, int(index)) for key, index in state.get("rejected", [])}
+        self.self_solved = set(state.get("self_solved", []))
+
+
+@dataclass
+class OfflineRow:
+    """A fresh group's first row given an offline solution (this rank's local row)."""
+
+    key: str
+    index: int  # which of the question's solutions
+    global_row: int
+
+
+def offline_rows(
+    inputs: Sequence[dict[str, Any]],
+    guide: OfflineGuide,
+    keys: Sequence[str],
+    *,
+    replayed_groups: Sequence[int],
+    process_index: int,
+    k: int,
+    retired: set[str] | frozenset = frozenset(),
+) -> dict[int, tuple[OfflineRow, list[int]]]:
+    """The local rows that get an offline solution: the first row of each fresh group held here (group g's first row
+    is global row g * K; the groups in `replayed_groups` are replay's), when `guide` gives one. `keys`: each local
+    row's question key. Returns local row -> (OfflineRow, token ids)."""
+    offset = process_index * len(inputs)
+    replayed = set(replayed_groups)
+    chosen = {}
+    for local, row in enumerate(inputs):
+        global_row = offset + local
+        if global_row % k or global_row // k in replayed:
+            continue
+        found = guide.solution(keys[local], row, retired)
+        if found is not None:
+            index, ids = found
+            chosen[local] = (OfflineRow(keys[local], index, global_row), ids)
+    return chosen
