@@ -139,10 +139,25 @@ def zero3_tools_run(tmp_path_factory):
     return out, launch("zero3_cpu.yaml", out, "--expect", "zero3", "--uneven", "--resume", "--tools")
 
 
+@pytest.fixture(scope="module")
+def ddp_offline_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp_offline")
+    return out, launch("ddp_cpu.yaml", out, "--expect", "ddp", "--uneven", "--resume", "--offline")
+
+
+@pytest.fixture(scope="module")
+def zero3_offline_run(tmp_path_factory):
+    if not HAS_DEEPSPEED:
+        pytest.skip("deepspeed is not installed (pip install deepspeed)")
+    out = tmp_path_factory.mktemp("zero3_offline")
+    return out, launch("zero3_cpu.yaml", out, "--expect", "zero3", "--uneven", "--resume", "--offline")
+
+
 # The *_tools runs train the calculator task of tests/support/tool_tasks.py, whose rollouts call tools through TRL's
 # tool loop:
 # ranks run different numbers of tool turns (each as many as its own rows need). ZeRO-3 with tools: ~110 s, slow.
-RUNS = ["ddp_run", "zero3_run", "ddp_tools_run", pytest.param("zero3_tools_run", marks=pytest.mark.slow)]
+RUNS = ["ddp_run", "zero3_run", "ddp_tools_run", pytest.param("zero3_tools_run", marks=pytest.mark.slow),
+        "ddp_offline_run", pytest.param("zero3_offline_run", marks=pytest.mark.slow)]  # fmt: skip
 
 
 @pytest.fixture(params=RUNS)
@@ -259,6 +274,20 @@ def test_tool_trajectories_reach_the_buffer_with_their_masks(tools_run, request)
     out, (r0, r1) = request.getfixturevalue(tools_run)
     assert r0["masked_trajectories"] == r0["buffer"]["trajectories"] > 0 and r1["masked_trajectories"] == 0
     assert read_meta(out / "out" / "checkpoint-8")["format_version"] == 2
+
+
+@pytest.mark.parametrize("offline_run", ["ddp_offline_run", pytest.param("zero3_offline_run", marks=pytest.mark.slow)])
+def test_offline_rows_on_both_ranks_and_one_guide_state(offline_run, request):
+    """Offline guidance over two ranks: a fresh group's first row gets its solution on whichever rank holds it (group
+    g's first row is global row 8g; rank 0 holds rows 0-11 of each generation batch, rank 1 rows 12-23; once replay
+    has stored questions, groups 1 and 2 are replayed and only group 0 is fresh), and every rank ends with the same
+    rejected solutions and solved questions: the same decisions everywhere."""
+    out, (r0, r1) = request.getfixturevalue(offline_run)
+    rows0, rows1 = r0["offline_rows"], r1["offline_rows"]
+    assert all(g % 8 == 0 and g < 12 for batch in rows0 for g in batch)
+    assert all(g % 8 == 0 and 12 <= g < 24 for batch in rows1 for g in batch)
+    assert any(rows0) and any(rows1)
+    assert r0["offline_state"] == r1["offline_state"] and r0["offline_state"]["rejected"]
 
 
 @pytest.mark.slow

@@ -16,7 +16,9 @@ the test compares to OUT/rank{r}.json:
 - with --resume: a second trainer resumes from the last checkpoint; the buffer each rank holds right after loading;
 - with --tools: the calculator task of tests/support/tool_tasks.py instead, whose rollouts call tools through TRL's
   tool loop
-  (a rank runs as many tool turns as its own rows need), every 6th question always solved so that some retire.
+  (a rank runs as many tool turns as its own rows need), every 6th question always solved so that some retire;
+- with --offline: offline guidance (algorithm §11) from a `solution` column: per generation batch the global rows this
+  rank gave an offline solution, and the guide's state (rejected solutions, questions solved) after training.
 
 Options are plain argv flags so the launch command stays short.
 """
@@ -106,6 +108,9 @@ def build(out: Path, args, max_steps: int, break_padding: bool = False) -> Recor
         tokenizer = build_char_tokenizer()
         model, dataset, reward = make_model(tokenizer), synthetic_dataset(n=24, always_every=6), make_reward(tokenizer)
         extra = {}
+        if args.offline:  # a 2-character solution (solved), every fourth a 7-character one (rejected)
+            solutions = [["1234567"] if i % 4 == 1 else ["12"] for i in range(len(dataset))]
+            dataset = dataset.add_column("solution", solutions)
     kwargs = config_kwargs(
         out,
         per_device_train_batch_size=6,  # 12 rows per rank per generation batch: the middle group spans both ranks
@@ -120,6 +125,7 @@ def build(out: Path, args, max_steps: int, break_padding: bool = False) -> Recor
         use_cpu=True,  # without it accelerate finds no backend on a machine without CUDA: a world of 1 on each rank
         seed=args.seed,
         **({"max_completion_length": 32, "learning_rate": 1e-3} if args.tools else {}),
+        **({"offline_solutions_column": "solution"} if args.offline else {}),
     )
     trainer = RecordingTrainer(
         model=model,
@@ -175,6 +181,7 @@ def main() -> int:
     parser.add_argument("--resume", action="store_true", help="resume a second trainer from the last checkpoint")
     parser.add_argument("--break-padding", action="store_true", help="negative control: unequal forward passes")
     parser.add_argument("--tools", action="store_true", help="the calculator task, its rollouts calling tools")
+    parser.add_argument("--offline", action="store_true", help="offline guidance from a solution column")
     args = parser.parse_args()
     out = Path(args.out)
     t0 = time.time()
@@ -202,6 +209,9 @@ def main() -> int:
     record["masked_trajectories"] = sum(t.mask is not None for t in trainer.experience_buffer.iter_trajectories())
     record["exgrpo_state"] = dict(trainer.exgrpo_state)
     record["global_step"] = trainer.state.global_step
+    if args.offline:
+        record["offline_rows"] = [sorted(r.global_row for r in b["offline_rows"]) for b in trainer.batches]
+        record["offline_state"] = trainer.offline_guide.state_dict()
     if args.uneven:
         record["uneven"] = uneven_scoring(trainer)
     record["rss_mb"] = rss_mb()

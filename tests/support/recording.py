@@ -125,6 +125,7 @@ class RecordingTrainer(ExGRPOTrainer):
         self.batches[-1]["self_solved_before"] = set(self.offline_guide.self_solved)
         super()._exgrpo_add_offline_rows(rows, plan)
         self.batches[-1]["offline"] = {local: (row.key, row.index) for local, row in rows.offline.items()}
+        self.batches[-1]["offline_rows"] = list(rows.offline.values())
         self.batches[-1]["splice"] = dict(rows.splice)
 
     def _generate_single_turn(self, *args, **kwargs):

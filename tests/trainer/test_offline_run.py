@@ -146,3 +146,63 @@ def test_init_checks(tmp_path, tokenizer):
         )
     with pytest.raises(ValueError, match="offline_guidance must be one of"):
         ExGRPOConfig(**config_kwargs(tmp_path, offline_guidance="some"))
+
+
+def _resumable(out, tokenizer, **overrides):
+    kwargs = config_kwargs(out, save_strategy="steps", save_steps=1, offline_solutions_column="solution",
+                           replay_start_pass_rate=0.0, offline_guidance="unsolved", **overrides)  # fmt: skip
+    return RecordingTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=make_reward(tokenizer),
+        args=ExGRPOConfig(**kwargs),
+        train_dataset=offline_dataset(16),  # 4 questions a step: an epoch is 4 steps
+        processing_class=tokenizer,
+    )
+
+
+def test_resume_with_offline_rows_is_bitwise(tmp_path, tokenizer):
+    """10 steps straight (replay and offline rows, the `unsolved` rule) against resumes from step 5 (inside the
+    second epoch) and 9 (inside the third): the same parameters bitwise, the same buffer, and the same offline state
+    (rejected solutions, questions the model solved itself)."""
+    import shutil
+
+    from tests.helpers import state_of
+
+    straight = _resumable(tmp_path / "straight", tokenizer, max_steps=10)
+    straight.train()
+    guide = straight.offline_guide
+    assert guide.rejected and guide.self_solved
+    assert any(batch["offline"] for batch in straight.batches[4:])  # offline rows after the first epoch too
+    for step in (5, 9):
+        out = tmp_path / f"from{step}"
+        shutil.copytree(tmp_path / "straight" / "out" / f"checkpoint-{step}", out / "out" / f"checkpoint-{step}")
+        resumed = _resumable(out, tokenizer, max_steps=10)
+        resumed.train(resume_from_checkpoint=str(out / "out" / f"checkpoint-{step}"))
+        assert all(torch.equal(p, q) for p, q in zip(straight.model.parameters(), resumed.model.parameters()))
+        assert state_of(resumed.experience_buffer) == state_of(straight.experience_buffer)
+        assert (resumed.offline_guide.rejected, resumed.offline_guide.self_solved) == (
+            guide.rejected,
+            guide.self_solved,
+        )
+
+
+def test_offline_rows_with_lora(tmp_path, tokenizer):
+    from peft import LoraConfig
+
+    kwargs = config_kwargs(tmp_path, offline_solutions_column="solution", replay_start_pass_rate=0.0, max_steps=3)
+    trainer = RecordingTrainer(
+        model=make_model(tokenizer),
+        reward_funcs=make_reward(tokenizer),
+        args=ExGRPOConfig(**kwargs),
+        train_dataset=offline_dataset(),
+        processing_class=tokenizer,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"),
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
+    trainer.train()
+    assert type(trainer.model).__name__ == "PeftModelForCausalLM"
+    assert sum(bool(out) for out in (b["output"][BatchKey.OFFLINE].any() for b in trainer.batches)) >= 2
+    after = dict(trainer.model.named_parameters())
+    assert any(not torch.equal(before[n], after[n]) for n in before)  # the adapter trained
+    rows = [h for h in trainer.state.log_history if "exgrpo/offline/token_prob_mean" in h]
+    assert rows and all(0 < h["exgrpo/offline/token_prob_mean"] <= 1 for h in rows)
