@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig
@@ -146,6 +147,19 @@ class ExGRPOConfig(GRPOConfig):
         },
     )
 
+    initial_experience: str | None = field(
+        default=None,
+        metadata={
+            "help": "Seed the experience buffer of a fresh run from a buffer written by `exgrpo export` (its folder, "
+            "or its parquet file): each question with its dataset row, its success count k and its trajectories. With "
+            "the export's tokenizer the trajectories keep their token ids and behaviour log-probs; with another, "
+            "their text is tokenized again and they count as offline (behaviour log-prob 0). Trajectories longer "
+            "than max_completion_length are left out; an export of another num_generations is an error. A run "
+            "resumed from an ExGRPO checkpoint takes the checkpoint's buffer instead. None (default): the buffer "
+            "starts empty."
+        },
+    )
+
     # TRL's default (True) under transformers' deprecated name made every config, and so every `exgrpo train`, warn
     # (FutureWarning: use `activation_checkpointing`) whether or not the option was used. Unset here: __post_init__
     # gives TRL's default to the new name, and transformers warns only when the old name is set.
@@ -233,6 +247,15 @@ class ExGRPOConfig(GRPOConfig):
         ):
             raise ValueError(
                 f"offline_solutions_column must be a column name or None, got {self.offline_solutions_column!r}."
+            )
+        if isinstance(self.initial_experience, os.PathLike):  # a pathlib.Path from Python: kept as text (to_dict)
+            self.initial_experience = os.fspath(self.initial_experience)
+        if self.initial_experience is not None and not (
+            isinstance(self.initial_experience, str) and self.initial_experience
+        ):
+            raise ValueError(
+                f"initial_experience must be the path of an `exgrpo export` folder or parquet file, or None; got "
+                f"{self.initial_experience!r}."
             )
         if self.num_generations is not None and self.num_generations < 2:
             raise ValueError(

@@ -1,4 +1,5 @@
-"""`exgrpo` command line: `exgrpo train`, `exgrpo eval`, `exgrpo inspect`. Each subcommand lives in its own module."""
+"""`exgrpo` command line: `exgrpo train`, `exgrpo eval`, `exgrpo inspect`, `exgrpo export`. Each subcommand lives in
+its own module."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ..utils.requirements import MissingDependency, require
 SUBCOMMANDS = {
     "train": ("exgrpo_trl.cli.train", "train from a YAML recipe (TrlParser; CLI flags override the recipe)"),
     "inspect": ("exgrpo_trl.cli.inspect", "summarise the experience buffer saved in a checkpoint (--plot FILE.png)"),
+    "export": ("exgrpo_trl.cli.export", "write a checkpoint's buffer as a Hugging Face dataset (--out DIR)"),
     "eval": ("exgrpo_trl.cli.evaluate", "the paper's benchmarks (avg@k), results.json + a table beside the paper's"),
 }
 

@@ -4,12 +4,17 @@
     exgrpo inspect out/checkpoint-700 --plot buffer.png     # bucket histogram and trajectory lengths
     exgrpo inspect out/checkpoint-700 --json                # the same summary, machine-readable
     exgrpo inspect out/checkpoint-700 --verify              # also read every array (in chunks), check its CRC-32
+    exgrpo inspect out/checkpoint-700 --show 3              # then 3 stored questions, their completions as text
 
 Reads `exgrpo_state/state.json`, the header of `exgrpo_state/buffer.safetensors` and, from its arrays, only the
 per-trajectory lengths and collection steps (a few bytes per trajectory), so it is quick on a buffer of millions of
 tokens and never loads a model, a trainer, torch or trl. All reading goes through state.py's reader, so inspect
 checks a state exactly as a resume does. A missing, truncated or corrupted state is reported with
 the file it concerns, and the command exits with status 1.
+
+`--show N` also prints the first N stored questions (buffer order): the prompt, k, and each trajectory's completion
+decoded with the tokenizer saved in the checkpoint folder (or `--tokenizer PATH`), its length and the step it was
+collected at. It reads the whole buffer, as a resume does, and loads the tokenizer (transformers).
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from typing import Any
 
 import numpy as np
 
+from ..buffer import ExperienceBuffer
 from ..state import (
     ARRAYS_FILENAME,
     META_FILENAME,
     STATE_DIRNAME,
     StateFileError,
+    load_state,
     read_meta,
     read_small_arrays,
     verify_arrays,
@@ -163,6 +170,56 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def show_questions(checkpoint: str | Path, n: int, tokenizer: str | None = None) -> list[dict[str, Any]]:
+    """The first `n` stored questions (buffer order), each with its prompt, k and trajectories (the completion decoded
+    with the checkpoint's tokenizer, or `tokenizer`; its token count; the step it was collected at). Reads the whole
+    buffer, checked as a resume reads it. Raises StateFileError, or ValueError when there is no tokenizer."""
+    from ..utils.tokenizer import checkpoint_tokenizer  # transformers: only for --show
+
+    checkpoint = _checkpoint_of(Path(checkpoint))
+    decoder = checkpoint_tokenizer(checkpoint, tokenizer)
+    meta = read_meta(checkpoint)
+    buffer = ExperienceBuffer(meta["buffer"]["config"]["num_generations"])
+    load_state(checkpoint, buffer, meta=meta)
+    shown = []
+    for key in list(buffer.questions)[:n]:
+        entry = buffer.questions[key]
+        ids = [t.completion_ids.tolist() for t in entry.trajectories]
+        texts = decoder.batch_decode(ids, skip_special_tokens=True) if ids else []
+        trajectories = [
+            {"completion": text, "num_tokens": len(t_ids), "collected_at": t.step}
+            for text, t_ids, t in zip(texts, ids, entry.trajectories)
+        ]
+        shown.append({"key": key, "prompt": entry.row.get("prompt"), "k": entry.k, "trajectories": trajectories})
+    return shown
+
+
+def _indented(text: str, indent: str = "    ") -> list[str]:
+    return [indent + line for line in text.splitlines()] or [indent + "(empty)"]
+
+
+def _prompt_lines(prompt: Any) -> list[str]:
+    if isinstance(prompt, str):
+        return _indented(prompt)
+    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):  # chat messages
+        return [line for m in prompt for line in _indented(f"{m.get('role')}: {m.get('content')}")]
+    return _indented(json.dumps(prompt, ensure_ascii=False))
+
+
+def format_shown(shown: list[dict[str, Any]], num_questions: int, num_generations: int) -> str:
+    """`--show`'s text: each question's prompt, k and trajectories, after a line saying how many are shown."""
+    lines = ["", f"shown         {len(shown):,} of {num_questions:,} questions (buffer order)"]
+    for i, q in enumerate(shown, 1):
+        n = len(q["trajectories"])
+        count = f"{n} trajector{'y' if n == 1 else 'ies'}"
+        lines += ["", f"question {i}  k {q['k']} of {num_generations}, {count}  (key {q['key']})", "  prompt"]
+        lines += _prompt_lines(q["prompt"])
+        for j, t in enumerate(q["trajectories"], 1):
+            lines.append(f"  trajectory {j}: {t['num_tokens']} tokens, collected at step {t['collected_at']}")
+            lines += _indented(t["completion"])
+    return "\n".join(lines)
+
+
 def plot(s: dict[str, Any], path: str | Path):
     """Bucket histogram (questions per success count) and the distribution of stored trajectory lengths, saved to
     `path`. Returns the (closed) matplotlib figure."""
@@ -220,19 +277,39 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--plot", metavar="FILE.png", help="draw the bucket histogram and the trajectory lengths")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--verify", action="store_true", help="read every array and check its CRC-32 (slower)")
+    parser.add_argument(
+        "--show",
+        type=_positive,
+        metavar="N",
+        help="then print N stored questions: prompt, k, each trajectory's completion as text, its length and step",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="with --show: decode with this tokenizer (a folder or a Hub id), not the one saved in the checkpoint",
+    )
     return parser
+
+
+def _positive(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value!r}")
+    return int(value)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         summary = summarize(args.checkpoint, verify=args.verify)
+        shown = show_questions(args.checkpoint, args.show, args.tokenizer) if args.show else None
         if args.plot:
             plot(summary, args.plot)
-    except (StateFileError, RuntimeError) as e:
+    except (StateFileError, RuntimeError, ValueError) as e:  # ValueError: --show without a tokenizer
         print(f"exgrpo inspect: {e}", file=sys.stderr)
         return 1
     printable = {k: v for k, v in summary.items() if not k.startswith("_")}
+    if shown is not None:
+        printable["shown"] = shown
     try:
         if args.json:
             print(json.dumps(printable, indent=2))
@@ -240,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
             print(format_summary(printable))
             if args.plot:
                 print(f"plot          {args.plot}")
+            if shown is not None:
+                print(format_shown(shown, summary["questions"], summary["num_generations"]))
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's flush at exit
     except BrokenPipeError:
         # The reader left (`exgrpo inspect ... | head`): stop quietly, as Unix tools do. What is still buffered would

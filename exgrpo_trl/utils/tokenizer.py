@@ -32,3 +32,23 @@ def load_tokenizer(name_or_path: str, *, revision: str = "main", trust_remote_co
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+
+
+def checkpoint_tokenizer(checkpoint: str | Path, tokenizer: str | None = None):
+    """The tokenizer `tokenizer` names (a folder or a Hub id), else the one saved in the `checkpoint` folder (TRL saves
+    the processing class with every checkpoint). Raises ValueError, in one line, when there is none or it cannot be
+    loaded."""
+    if tokenizer is None:
+        if not any((Path(checkpoint) / name).is_file() for name in TOKENIZER_FILES):
+            raise ValueError(
+                f"{checkpoint} holds no tokenizer ({' or '.join(TOKENIZER_FILES)}); name the run's with --tokenizer "
+                "PATH (its model folder or Hub id)"
+            )
+        tokenizer = str(checkpoint)
+    try:
+        return load_tokenizer(tokenizer)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load the tokenizer {tokenizer}: {' '.join(str(e).split())}") from e

@@ -50,6 +50,7 @@ def test_every_field_has_help():
         "remove_clip_after_replay_start",
         "offline_solutions_column",
         "offline_guidance",
+        "initial_experience",
     }
     for f in fields(ExGRPOConfig):
         if f.name in own:
@@ -69,6 +70,7 @@ def test_every_field_has_help():
         ({"question_selection": "greedy"}, "question_selection must be one of"),
         ({"trajectory_selection": "shortest"}, "trajectory_selection must be one of"),
         ({"max_trajectory_candidates": 0}, "max_trajectory_candidates must be None"),
+        ({"initial_experience": ""}, "initial_experience must be the path of an `exgrpo export` folder"),
     ],
 )
 def test_bad_values_name_the_field(tmp_path, kwargs, message):

@@ -435,7 +435,7 @@ def _check_pip(words: list[str]) -> None:
 
 def _check_exgrpo(words: list[str]) -> None:
     from exgrpo_trl import cli
-    from exgrpo_trl.cli import evaluate, inspect
+    from exgrpo_trl.cli import evaluate, export, inspect
     from exgrpo_trl.cli import train as train_cli
 
     rest = words[1:]
@@ -449,6 +449,8 @@ def _check_exgrpo(words: list[str]) -> None:
         evaluate.build_arg_parser().parse_args(args)
     elif name == "inspect":
         inspect.build_parser().parse_args(args)
+    elif name == "export":
+        export.build_parser().parse_args(args)
     else:
         raise AssertionError(f"no check for exgrpo {name}")
 
