@@ -26,6 +26,7 @@ from .card import add_section, exgrpo_card_section, fix_local_references
 from .checkpoints import remove_state_leftovers, restore_state, rotate_checkpoints
 from .checks import check_arguments, check_built, threshold_mismatch
 from .config import ExGRPOConfig
+from .export import read_export_meta, seed_buffer, tokenizer_fingerprint
 from .loss import aggregate_token_loss, shaped_replay_token_loss
 from .offline import OfflineGuide, offline_rows
 from .replay import (
@@ -126,7 +127,8 @@ class ExGRPOTrainer(GRPOTrainer):
     hook                                  TRL calls it to                            ExGRPO adds
     ===================================== ========================================== ===============================
     ``__init__``                          build the trainer                          argument checks first, then the
-                                                                                     buffer and its switches
+                                                                                     buffer and its switches (seeded
+                                                                                     from an export), offline guide
     ``_get_train_sampler``                draw each epoch's questions                retired questions skipped; the
                                                                                      sampler's place saved
     ``_generate_and_score_completions``   make and score one generation batch        the replay plan (drawn, scored
@@ -195,13 +197,11 @@ class ExGRPOTrainer(GRPOTrainer):
         # Offline guidance (`offline.py`): reference solutions as each fresh group's first row; None when off.
         self.offline_guide: OfflineGuide | None = None
         if cfg.offline_solutions_column is not None:
-            eos = self._tokenizer.eos_token_id
-
-            def tokenize(text: str) -> list[int]:  # as the model's completion of its prompt: the text, then EOS
-                return list(self._tokenizer(text, add_special_tokens=False)["input_ids"]) + [eos]
-
             self.offline_guide = OfflineGuide(
-                cfg.offline_solutions_column, cfg.offline_guidance, self.max_completion_length, tokenize
+                cfg.offline_solutions_column,
+                cfg.offline_guidance,
+                self.max_completion_length,
+                self._exgrpo_tokenize_completion,
             )
         # Training state beside the buffer (persisted with checkpoints).
         self.exgrpo_state = {"replay_active": not cfg.replay_start_pass_rate, "generation_batches": 0}
@@ -214,10 +214,50 @@ class ExGRPOTrainer(GRPOTrainer):
         self._exgrpo_offline_warned = False  # the too-long offline solutions, once per run
         # The plan of the last training generation batch (None: nothing replayed), for callbacks and studies.
         self.last_replay_plan: ReplayPlan | None = None
+        # Offline rows (every rank's) in the last training generation batch; never generated (offline guidance).
+        self.last_offline_rows = 0
         # Set it to a list to receive, per loss pass, the importance weights w of this rank's replayed tokens (1-D,
         # detached, on the CPU): the distribution behind the logged means, for diagnostics. None: nothing is kept.
         self.replay_token_weights: list[torch.Tensor] | None = None
         self._exgrpo_latest: dict[str, float] = {}  # the latest generation batch's metrics (`log`)
+        self._exgrpo_seed_buffer()
+
+    def _exgrpo_tokenize_completion(self, text: str) -> list[int]:
+        """Token ids of `text` as the model's completion of its prompt would be: the text, then EOS."""
+        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"]) + [self._tokenizer.eos_token_id]
+
+    def _exgrpo_seed_buffer(self) -> None:
+        """`initial_experience`: fill the buffer from an `exgrpo export` (`export.seed_buffer`). Every rank checks
+        the export's num_generations (one small file read, no collective); only the main process, which holds the
+        trajectories, reads the rows: the other ranks need the retired set only, and an export carries none. A resume
+        replaces the seeded buffer with the checkpoint's (`_load_optimizer_and_scheduler`)."""
+        path = self.args.initial_experience
+        if path is None:
+            return
+        meta = read_export_meta(path, num_generations=self.num_generations)
+        if not self.accelerator.is_main_process:
+            return
+        report = seed_buffer(
+            self.experience_buffer,
+            path,
+            fingerprint=tokenizer_fingerprint(self._tokenizer),
+            tokenize=self._exgrpo_tokenize_completion,
+            max_length=self.max_completion_length,
+            meta=meta,
+            progress=not self.args.disable_tqdm,
+        )
+        skipped = report.skipped()
+        if skipped:
+            logger.warning(f"ExGRPO: initial_experience {path}: left out {skipped}.")
+        how = (
+            "tokenized again with this run's tokenizer (the export's differs), as offline trajectories"
+            if report.retokenized
+            else "with their token ids and behaviour log-probs"
+        )
+        logger.info(
+            f"ExGRPO: seeded the experience buffer from {path}: {report.questions} questions, "
+            f"{report.trajectories} trajectories, {how}."
+        )
 
     # ------------------------------------------------------------------------------------------ data
     def _get_train_sampler(self, dataset=None):
@@ -522,6 +562,7 @@ class ExGRPOTrainer(GRPOTrainer):
         everything = [row for rank_rows in gather_object([local_rows]) for row in rank_rows]
         unsolved = [(key, index) for key, index, g in everything if not bool(outcome.solved[g])]
         guide.rejected.update(unsolved)
+        self.last_offline_rows = len(everything)
         for local, row in list(batch.rows.offline.items()):
             if not bool(outcome.solved[row.global_row]):
                 output["advantages"][local] = 0.0
