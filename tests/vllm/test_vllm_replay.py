@@ -288,6 +288,7 @@ def run_exgrpo(mode: str, work: Path) -> dict:
                 max_steps=MAX_STEPS,
                 replay_start_pass_rate=0.0,  # replay forced on from the first batch the buffer can serve
                 replay_ratio=0.5,
+                offline_solutions_column="solution",  # every third question has an offline solution (algorithm §11)
                 **extra,
             )
         )
@@ -299,7 +300,7 @@ def run_exgrpo(mode: str, work: Path) -> dict:
             model=model,
             reward_funcs=make_reward(tokenizer),
             args=args,
-            train_dataset=synthetic_dataset(),
+            train_dataset=offline_dataset(),
             processing_class=tokenizer,
         )
         timings["trainer_init_s"] = time.monotonic() - started
@@ -340,6 +341,15 @@ def vllm_run(request, tmp_path_factory, vllm_report):
     return record
 
 
+OFFLINE_SOLUTION = "12"  # 3 tokens with EOS: solved by the synthetic reward
+
+
+def offline_dataset():
+    """The synthetic questions, every third one with an offline solution."""
+    dataset = synthetic_dataset()
+    return dataset.add_column("solution", [[OFFLINE_SOLUTION] if i % 3 == 0 else [] for i in range(len(dataset))])
+
+
 def _tok(record, text: str) -> list[int]:
     return record["tokenizer"](text)["input_ids"]
 
@@ -378,7 +388,7 @@ def test_group_prompts_identical_and_contiguous(vllm_run):
 
 
 def test_stored_trajectories_spliced_into_the_right_rows(vllm_run):
-    replayed = 0
+    replayed = offline_rows = 0
     for batch in vllm_run["batches"]:
         plan, out, sent = batch["plan"], batch["output"], batch["vllm"]
         position = sent_position(batch, vllm_run["mode"])
@@ -388,12 +398,19 @@ def test_stored_trajectories_spliced_into_the_right_rows(vllm_run):
         assert (len(plan.group_indices) if plan else 0) == n_exp
         mask = out.get(BatchKey.REPLAY_MASK, torch.zeros(K * GROUPS, dtype=torch.bool))
         replay_rows = {g * K: j for j, g in enumerate(plan.group_indices)} if plan else {}
-        assert sorted(batch["splice"]) == sorted(replay_rows)
-        assert [bool(m) for m in mask] == [r in replay_rows for r in range(K * GROUPS)]
+        offline = batch["offline"]  # fresh groups' first rows given their question's offline solution
+        assert sorted(batch["splice"]) == sorted(set(replay_rows) | set(offline)) and not set(replay_rows) & set(
+            offline
+        )
+        assert [bool(m) for m in mask] == [r in replay_rows or r in offline for r in range(K * GROUPS)]
+        solution = _tok(vllm_run, OFFLINE_SOLUTION) + [vllm_run["tokenizer"].eos_token_id]
         for row in range(K * GROUPS):
             length = int(out["completion_mask"][row].sum())
             ids = out["completion_ids"][row, :length].tolist()
-            if row in replay_rows:
+            if row in offline:
+                assert ids == solution and row % K == 0 and bool(out[BatchKey.OFFLINE][row])
+                offline_rows += 1
+            elif row in replay_rows:
                 j = replay_rows[row]
                 key = plan.keys[j]
                 assert ids == plan.completion_ids[j]  # the selected stored trajectory, token for token
@@ -403,8 +420,11 @@ def test_stored_trajectories_spliced_into_the_right_rows(vllm_run):
             else:
                 assert ids == sent["completion_ids"][position[row]]  # fresh rows keep what vLLM generated
     assert vllm_run["batches"][0]["plan"] is None  # the buffer starts empty
-    assert replayed >= 2, replayed
-    vllm_run["report"].append(f"{vllm_run['mode']}: {replayed} stored trajectories spliced over {MAX_STEPS} batches")
+    assert replayed >= 2 and offline_rows >= 2, (replayed, offline_rows)
+    vllm_run["report"].append(
+        f"{vllm_run['mode']}: {replayed} stored trajectories and {offline_rows} offline solutions spliced over "
+        f"{MAX_STEPS} batches"
+    )
 
 
 def test_importance_ratio_one_for_spliced_rows_and_vllm_logprobs_for_fresh(vllm_run):
