@@ -204,7 +204,8 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
             generated_now = (state.global_step - 1) % spg == 0  # TRL generates every spg optimizer steps
             plan = getattr(trainer, "last_replay_plan", None) if generated_now else None
             replayed = len(plan.keys) if plan is not None else 0
-            generated = groups * k - (replayed if plan is not None and plan.with_trajectories else 0)
+            offline = getattr(trainer, "last_offline_rows", 0) if generated_now else 0  # offline rows: not generated
+            generated = groups * k - (replayed if plan is not None and plan.with_trajectories else 0) - offline
             generated = generated if generated_now else 0
             total = (steps_log["rollouts"][-1] if steps_log["rollouts"] else 0) + generated
             steps_log["rollouts"].append(total)
@@ -219,6 +220,8 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
             steps_log["retired"].append(len(buffer.retired) if buffer is not None else None)
             if generated_now:
                 batches.append(batch_record(state.global_step - 1, plan, groups_now, buffer))
+                if getattr(trainer, "offline_guide", None) is not None:  # offline guidance: its rows in this batch
+                    batches[-1]["offline_rows"] = offline
             logged = getattr(trainer, "replay_token_weights", None)  # ExGRPOTrainer's, a list from the start
             if logged:
                 weights.extend(logged)

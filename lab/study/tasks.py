@@ -260,6 +260,16 @@ ARMS: dict[str, Arm] = {
         "diagnostic: GRPO with retired questions skipped",
         {"replay_ratio": 0.0, "skip_retired_without_replay": True},
     ),
+    # Offline guidance (docs/algorithm.md, section 11): the task's `answer` column holds one correct solution per
+    # question (Countdown: the expression its target was made from), put as the first row of each fresh group.
+    "luffy": Arm(
+        "LUFFY: an offline solution in every fresh group, no replay",
+        {"replay_ratio": 0.0, "offline_solutions_column": "answer"},
+    ),
+    "exgrpo_offline": Arm(
+        "ExGRPO with an offline solution in every fresh group",
+        {**_PAPER, "offline_solutions_column": "answer"},
+    ),
 }
 MAIN_ARMS = ("grpo", "exgrpo")
 

@@ -228,3 +228,21 @@ def test_training_curves_figure_from_one_seed(tmp_path):
     exgrpo = make_record("hard", "exgrpo", 0, [0, 2], [0, 16], [0.1, 0.2], steps=steps, batches=[stored])
     curves_figure(grpo, exgrpo, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_offline_arms_at_tiny_size_count_offline_rows_as_not_generated(tmp_path, capsys):
+    """LUFFY and ExGRPO with offline solutions (the task's `answer` column: one correct expression per Countdown
+    question) at the hard point, quick: one generation batch of 16 questions x 8 rows, every question with a solution
+    and nothing to replay yet, so each of the 16 groups gets its solution in its first row and 16 x 7 = 112 rows are
+    generated (the rollouts axis counts generated rows)."""
+    results, cache = tmp_path / "results", tmp_path / "cache"
+    argv = ["--quick", "--tasks", study.HARD_POINT, "--arms", "luffy,exgrpo_offline", "--seeds", "0",
+            "--results", str(results), "--cache-dir", str(cache), "--no-progress"]  # fmt: skip
+    assert study.main(argv) == 0
+    capsys.readouterr()
+    for arm, replay in (("luffy", 0.0), ("exgrpo_offline", 0.5)):
+        record = json.loads((results / study.HARD_POINT / arm / "seed0.json").read_text())
+        assert record["settings"]["arm"]["exgrpo"]["offline_solutions_column"] == "answer"
+        assert record["settings"]["arm"]["exgrpo"].get("replay_ratio", 0.5) == replay
+        assert [b["offline_rows"] for b in record["batches"]] == [16]
+        assert record["steps"]["rollouts"] == [112, 112]
