@@ -25,15 +25,21 @@ def offline_dataset(n: int = 32) -> Dataset:
     return Dataset.from_dict({"prompt": prompts, "always": [False] * n, "solution": solutions})
 
 
-def run(tmp_path, tokenizer, dataset=None, **overrides):
+def build(tmp_path, tokenizer, dataset=None, peft_config=None, **overrides) -> RecordingTrainer:
+    """A recording trainer of the tiny model on `dataset` (`offline_dataset()`), offline solutions from `solution`."""
     kwargs = config_kwargs(tmp_path, **{"offline_solutions_column": "solution", **overrides})
-    trainer = RecordingTrainer(
+    return RecordingTrainer(
         model=make_model(tokenizer),
         reward_funcs=make_reward(tokenizer),
         args=ExGRPOConfig(**kwargs),
         train_dataset=dataset if dataset is not None else offline_dataset(),
         processing_class=tokenizer,
+        peft_config=peft_config,
     )
+
+
+def run(tmp_path, tokenizer, dataset=None, **overrides):
+    trainer = build(tmp_path, tokenizer, dataset, **overrides)
     trainer.train()
     return trainer
 
@@ -135,29 +141,15 @@ def test_unsolved_rule_skips_questions_the_model_has_solved(tmp_path, tokenizer)
 
 
 def test_init_checks(tmp_path, tokenizer):
-    kwargs = config_kwargs(tmp_path, offline_solutions_column="target")
     with pytest.raises(ValueError, match="offline_solutions_column 'target' is not a column of the train_dataset"):
-        RecordingTrainer(
-            model=make_model(tokenizer),
-            reward_funcs=make_reward(tokenizer),
-            args=ExGRPOConfig(**kwargs),
-            train_dataset=offline_dataset(),
-            processing_class=tokenizer,
-        )
+        build(tmp_path, tokenizer, offline_solutions_column="target")
     with pytest.raises(ValueError, match="offline_guidance must be one of"):
         ExGRPOConfig(**config_kwargs(tmp_path, offline_guidance="some"))
 
 
 def _resumable(out, tokenizer, **overrides):
-    kwargs = config_kwargs(out, save_strategy="steps", save_steps=1, offline_solutions_column="solution",
-                           replay_start_pass_rate=0.0, offline_guidance="unsolved", **overrides)  # fmt: skip
-    return RecordingTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(**kwargs),
-        train_dataset=offline_dataset(16),  # 4 questions a step: an epoch is 4 steps
-        processing_class=tokenizer,
-    )
+    return build(out, tokenizer, offline_dataset(16), save_strategy="steps", save_steps=1,  # 4 questions a step
+                 replay_start_pass_rate=0.0, offline_guidance="unsolved", **overrides)  # fmt: skip
 
 
 def test_resume_with_offline_rows_is_bitwise(tmp_path, tokenizer):
@@ -189,15 +181,8 @@ def test_resume_with_offline_rows_is_bitwise(tmp_path, tokenizer):
 def test_offline_rows_with_lora(tmp_path, tokenizer):
     from peft import LoraConfig
 
-    kwargs = config_kwargs(tmp_path, offline_solutions_column="solution", replay_start_pass_rate=0.0, max_steps=3)
-    trainer = RecordingTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(**kwargs),
-        train_dataset=offline_dataset(),
-        processing_class=tokenizer,
-        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"),
-    )
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = build(tmp_path, tokenizer, peft_config=lora, replay_start_pass_rate=0.0, max_steps=3)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
     trainer.train()
     assert type(trainer.model).__name__ == "PeftModelForCausalLM"
