@@ -21,6 +21,12 @@ def exgrpo_card_section(args: Any, buffer: Any, global_step: int, replay_active:
         ("question selection", f"{args.question_selection} (mu {args.replay_mu}, sigma {args.replay_sigma})"),
         ("trajectory selection", _trajectory_selection(args)),
         ("importance correction", args.replay_importance_correction),
+        (
+            "offline guidance",
+            f"column {column!r}, {getattr(args, 'offline_guidance', 'all_groups')} (LUFFY's mixed groups)"
+            if (column := getattr(args, "offline_solutions_column", None))
+            else "off",
+        ),
         ("loss type", args.loss_type),
         ("learning rate", args.learning_rate),
         ("optimizer steps", global_step),

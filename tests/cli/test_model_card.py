@@ -84,6 +84,7 @@ def test_card_training_values(card_run):
         "question selection": "gaussian (mu 0.5, sigma 1.0)",
         "trajectory selection": "random",
         "importance correction": "True",
+        "offline guidance": "off",
         "loss type": "bnpo",
         "learning rate": "0.0003",
         "optimizer steps": "3",
@@ -239,3 +240,12 @@ def test_fix_local_references_on_trls_template():
     text = fix_local_references(str(card), base_model=None, local_dataset="d.jsonl", output_dir="out")
     assert "This model is a fine-tuned version of a local model on the local dataset `d.jsonl`.\n" in text
     assert 'model="out"' in text and "None" not in text.split("---", 2)[2].split("## Citations")[0]
+
+
+def test_card_says_whether_offline_guidance_was_on():
+    buffer = SimpleNamespace(num_questions=0, num_trajectories=0, retired=set())
+    assert "| offline guidance | off |" in exgrpo_card_section(_args(), buffer, 0, False)
+    on = _args(offline_solutions_column="target", offline_guidance="unsolved")
+    assert "| offline guidance | column 'target', unsolved (LUFFY's mixed groups) |" in exgrpo_card_section(
+        on, buffer, 0, False
+    )
