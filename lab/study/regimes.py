@@ -228,6 +228,10 @@ ARM_PAIRS = (
     ("grpo_skip_retired", "exgrpo"),
     ("uniform_questions", "exgrpo"),
     ("random_trajectory", "exgrpo"),
+    ("luffy", "grpo"),  # offline guidance (docs/algorithm.md, section 11)
+    ("exgrpo_offline", "exgrpo"),
+    ("exgrpo_offline", "luffy"),
+    ("exgrpo_offline", "grpo"),
 )
 
 
