@@ -111,46 +111,43 @@ def _stop(proc: subprocess.Popen) -> None:
             pass
 
 
+def _launched(tmp_path_factory, kind: str, *extra: str):
+    """A module's launch of the training script on 2 processes under `kind` ("ddp", or "zero3": skipped without
+    deepspeed), with the uneven-scoring and resume checks and `extra` flags."""
+    if kind == "zero3" and not HAS_DEEPSPEED:
+        pytest.skip("deepspeed is not installed (pip install deepspeed)")
+    out = tmp_path_factory.mktemp("_".join([kind, *(flag.lstrip("-") for flag in extra)]))
+    return out, launch(f"{kind}_cpu.yaml", out, "--expect", kind, "--uneven", "--resume", *extra)
+
+
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    return out, launch("ddp_cpu.yaml", out, "--expect", "ddp", "--uneven", "--resume")
+    return _launched(tmp_path_factory, "ddp")
 
 
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory):
-    if not HAS_DEEPSPEED:
-        pytest.skip("deepspeed is not installed (pip install deepspeed)")
-    out = tmp_path_factory.mktemp("zero3")
-    return out, launch("zero3_cpu.yaml", out, "--expect", "zero3", "--uneven", "--resume")
+    return _launched(tmp_path_factory, "zero3")
 
 
 @pytest.fixture(scope="module")
 def ddp_tools_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp_tools")
-    return out, launch("ddp_cpu.yaml", out, "--expect", "ddp", "--uneven", "--resume", "--tools")
+    return _launched(tmp_path_factory, "ddp", "--tools")
 
 
 @pytest.fixture(scope="module")
 def zero3_tools_run(tmp_path_factory):
-    if not HAS_DEEPSPEED:
-        pytest.skip("deepspeed is not installed (pip install deepspeed)")
-    out = tmp_path_factory.mktemp("zero3_tools")
-    return out, launch("zero3_cpu.yaml", out, "--expect", "zero3", "--uneven", "--resume", "--tools")
+    return _launched(tmp_path_factory, "zero3", "--tools")
 
 
 @pytest.fixture(scope="module")
 def ddp_offline_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp_offline")
-    return out, launch("ddp_cpu.yaml", out, "--expect", "ddp", "--uneven", "--resume", "--offline")
+    return _launched(tmp_path_factory, "ddp", "--offline")
 
 
 @pytest.fixture(scope="module")
 def zero3_offline_run(tmp_path_factory):
-    if not HAS_DEEPSPEED:
-        pytest.skip("deepspeed is not installed (pip install deepspeed)")
-    out = tmp_path_factory.mktemp("zero3_offline")
-    return out, launch("zero3_cpu.yaml", out, "--expect", "zero3", "--uneven", "--resume", "--offline")
+    return _launched(tmp_path_factory, "zero3", "--offline")
 
 
 # The *_tools runs train the calculator task of tests/support/tool_tasks.py, whose rollouts call tools through TRL's
