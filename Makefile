@@ -36,7 +36,7 @@ demo: $(STAMP)
 
 # Ruff (pinned in requirements/cpu.lock) over the code, and the package's import layers (scripts/check_imports.py:
 # the package never imports the lab).
-LINTED := exgrpo_trl lab tests benchmarks scripts
+LINTED := exgrpo_trl lab tests benchmarks scripts examples
 
 style: $(STAMP)
 	$(PY) -c "from exgrpo_trl.cli.train import write_help; write_help()"

@@ -201,7 +201,7 @@ def test_trainer_page_has_trls_parts():
         assert part in page, part
     quick = text[text.index("## Quick start\n") : text.index("## Quick start on a CPU")]
     assert "set the batch shape" in quick[: quick.index("```python")]
-    assert "accelerate launch train_exgrpo.py" in quick[quick.index("trainer.train()") :]
+    assert "accelerate launch examples/train_exgrpo.py" in quick[quick.index("trainer.train()") :]
     assert "trl vllm-serve" in text[text.index("## vLLM server mode") : text.index("## Expected dataset type")]
     figure = re.search(r"!\[[^]]*\]\(\.\./([^)]+\.png)\)", text[text.index("### Training curves") :])
     assert figure and (ROOT / figure.group(1)).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -321,21 +321,36 @@ def test_cpu_quick_start_replays_as_pasted(tmp_path):
 
 def test_custom_rewards_example(tmp_path, monkeypatch):
     """The custom rewards score as the page says, by hand: a boxed correct answer with </think> totals 1.1 (solved at
-    the default threshold 1.0), a well-formed wrong one 0.1 (not solved); and saved as my_rewards.py in the current
+    the default threshold 1.0), a well-formed wrong one 0.1 (not solved); and saved as a module in the current
     folder they are found by name, as the command line's `module:function` finds them."""
     code = python_block(DOCS / "exgrpo_trainer.md", "## Custom rewards")
-    (tmp_path / "my_rewards.py").write_text(code)
+    (tmp_path / "user_rewards.py").write_text(code)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delitem(sys.modules, "my_rewards", raising=False)
+    monkeypatch.delitem(sys.modules, "user_rewards", raising=False)
     from exgrpo_trl.tasks.rewards import get_reward_funcs
 
-    boxed, think = get_reward_funcs(["my_rewards:boxed_reward", "my_rewards:think_format_reward"])
+    boxed, think = get_reward_funcs(["user_rewards:boxed_reward", "user_rewards:think_format_reward"])
     chat = [{"role": "assistant", "content": "\\boxed{ 12 }"}]
     completions = ["a</think> so \\boxed{12}", "</think> \\boxed{13}", chat]
     answers = ["12", "12", "12"]
     totals = [a + b for a, b in zip(boxed(completions, answer=answers), think(completions))]
     assert totals == [1.1, 0.1, 1.0]
     assert [total >= 1.0 for total in totals] == [True, False, True]
+
+
+def test_examples_are_the_pages_blocks(monkeypatch):
+    """examples/ holds the trainer page's quick start and custom rewards as files a user can open and launch, the
+    same code as the page's blocks; the rewards load by the name the page's command line gives them, from the
+    repository's folder."""
+    page = DOCS / "exgrpo_trainer.md"
+    assert (ROOT / "examples" / "train_exgrpo.py").read_text() == python_block(page, "## Quick start")
+    assert (ROOT / "examples" / "my_rewards.py").read_text() == python_block(page, "## Custom rewards")
+    monkeypatch.chdir(ROOT)
+    from exgrpo_trl.tasks.rewards import get_reward_funcs
+
+    names = ["examples.my_rewards:boxed_reward", "examples.my_rewards:think_format_reward"]
+    assert f"--reward_funcs {' '.join(names)}" in page.read_text()
+    assert [f.__name__ for f in get_reward_funcs(names)] == ["boxed_reward", "think_format_reward"]
 
 
 def test_dataset_examples():
@@ -489,8 +504,7 @@ def check_command(command: str, capsys) -> None:
     elif program == "accelerate":
         assert words[1] == "launch"
         if "-m" not in words:  # the trainer page's quick start, saved as the page says
-            assert words[-1] == "train_exgrpo.py", words
-            assert "Save it as `train_exgrpo.py`" in (DOCS / "exgrpo_trainer.md").read_text()
+            assert words[-1] == "examples/train_exgrpo.py", words  # the quick start as a file (test_examples_...)
             launcher = words[2:-1]
         else:
             at = words.index("-m")
