@@ -69,7 +69,6 @@ class OfflineGuide:
     rejected: set[tuple[str, int]] = field(default_factory=set)
     self_solved: set[str] = field(default_factory=set)
     too_long: set[tuple[str, int]] = field(default_factory=set)
-    _cache: dict[tuple[str, int], list[int]] = field(default_factory=dict, repr=False)
 
     def solution(self, key: str, row: dict[str, Any], retired: set[str] | frozenset = frozenset()):
         """(index, token ids) of the solution question `key` (its dataset `row`) gets in a fresh group, or None."""
@@ -78,9 +77,9 @@ class OfflineGuide:
         for index, text in enumerate(offline_texts(row.get(self.column), self.column)):
             if (key, index) in self.rejected:
                 continue
-            ids = self._cache.get((key, index))
-            if ids is None:
-                ids = self._cache[(key, index)] = list(self.tokenize(text))
+            # tokenized at each use, not kept: a cache would grow to every solution of the dataset (46k at the
+            # paper's scale, thousands of tokens each), and a generation batch tokenizes at most one per group
+            ids = list(self.tokenize(text))
             if len(ids) > self.max_length:
                 self.too_long.add((key, index))
                 continue

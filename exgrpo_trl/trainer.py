@@ -558,28 +558,24 @@ class ExGRPOTrainer(GRPOTrainer):
         collective), a solution scored unsolved is rejected for good and its row gets advantage 0 (no gradient; it
         leaves the replayed-token term), and the batch's Pass@1 (the delayed start's) counts generated rows only."""
         guide = self.offline_guide
+        solved = outcome.solved.tolist()  # one copy to the host, not one per row
         local_rows = [(row.key, row.index, row.global_row) for row in batch.rows.offline.values()]
         everything = [row for rank_rows in gather_object([local_rows]) for row in rank_rows]
-        unsolved = [(key, index) for key, index, g in everything if not bool(outcome.solved[g])]
+        unsolved = [(key, index) for key, index, g in everything if not solved[g]]
         guide.rejected.update(unsolved)
         self.last_offline_rows = len(everything)
         for local, row in list(batch.rows.offline.items()):
-            if not bool(outcome.solved[row.global_row]):
+            if not solved[row.global_row]:
                 output["advantages"][local] = 0.0
                 del batch.rows.offline[local]
-        generated = torch.ones_like(outcome.solved)
-        generated[[g for _, _, g in everything]] = False
-        outcome.pass_at_1 = outcome.solved[generated].float().mean().item() if generated.any() else 0.0
-        num_groups = len(outcome.successes)
-        self._exgrpo_latest.update(
-            {
-                "offline/groups": len(everything) / max(1, num_groups),
-                "offline/unsolved": float(len(unsolved)),
-                "offline/rejected": float(len(guide.rejected)),
-            }  # fmt: skip
+        offline_rows = {g for _, _, g in everything}
+        generated = [s for g, s in enumerate(solved) if g not in offline_rows]
+        # as `batch_outcome` computes it (a float32 mean), over the generated rows only
+        outcome.pass_at_1 = torch.tensor(generated, dtype=torch.float32).mean().item() if generated else 0.0
+        self._exgrpo_batch_figures(
+            {"offline/groups": len(everything) / max(1, len(outcome.successes)), "offline/unsolved": len(unsolved)}
         )
-        self._metrics["train"][METRIC_PREFIX + "offline/groups"].append(len(everything) / max(1, num_groups))
-        self._metrics["train"][METRIC_PREFIX + "offline/unsolved"].append(float(len(unsolved)))
+        self._exgrpo_latest["offline/rejected"] = float(len(guide.rejected))  # a count: its value, never a mean
         if guide.too_long and not self._exgrpo_offline_warned:
             logger.warning(
                 f"ExGRPO: {len(guide.too_long)} offline solution(s) are longer than max_completion_length "
@@ -704,10 +700,15 @@ class ExGRPOTrainer(GRPOTrainer):
         latest = {"replay/fraction": n_exp / max(1, len(outcome.successes)), "batch/pass_at_1": outcome.pass_at_1}
         if plan is not None and plan.selected_entropies:
             latest["replay/selected_entropy"] = sum(plan.selected_entropies) / len(plan.selected_entropies)
-        for name, value in latest.items():
-            self._metrics["train"][METRIC_PREFIX + name].append(value)
-        self._exgrpo_latest.update(latest)
+        self._exgrpo_batch_figures(latest)
         self._exgrpo_latest["replay/active"] = float(collecting)  # a switch: its value, never a window mean
+
+    def _exgrpo_batch_figures(self, figures: dict[str, float]) -> None:
+        """A generation batch's figures: into TRL's metrics (averaged over the logging window), and kept as the
+        latest values for the log rows whose window holds no generation batch (`log`)."""
+        for name, value in figures.items():
+            self._metrics["train"][METRIC_PREFIX + name].append(float(value))
+        self._exgrpo_latest.update({name: float(value) for name, value in figures.items()})
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Every training log row carries every ExGRPO metric: counts and switches as their value at this step (the
@@ -953,17 +954,14 @@ class ExGRPOTrainer(GRPOTrainer):
                 ),
             ]
         ).float()
-        stats = self.accelerator.gather(local.unsqueeze(0))  # (world, 6), or (world, 9) with offline guidance
-        if offline_mask is not None and stats[:, 8].sum().item() > 0:  # w of an offline token is pi_theta itself
-            offline_count = stats[:, 8].sum().item()
-            self._metrics["train"][METRIC_PREFIX + "offline/token_prob_mean"].append(
-                stats[:, 6].sum().item() / offline_count
-            )
-            self._metrics["train"][METRIC_PREFIX + "offline/shaped_weight_mean"].append(
-                stats[:, 7].sum().item() / offline_count
-            )
-        count = stats[:, 2].sum().item()
+        # (world, 6), or (world, 9) with offline guidance; on the host at once, not one copy per figure read
+        stats = self.accelerator.gather(local.unsqueeze(0)).cpu()
         metrics = self._metrics["train"]
+        offline_count = stats[:, 8].sum().item() if offline_mask is not None else 0.0
+        if offline_count > 0:  # w of an offline token is pi_theta itself
+            metrics[METRIC_PREFIX + "offline/token_prob_mean"].append(stats[:, 6].sum().item() / offline_count)
+            metrics[METRIC_PREFIX + "offline/shaped_weight_mean"].append(stats[:, 7].sum().item() / offline_count)
+        count = stats[:, 2].sum().item()
         if count > 0:
             metrics[METRIC_PREFIX + "replay/is_weight_mean"].append(stats[:, 0].sum().item() / count)
             metrics[METRIC_PREFIX + "replay/is_weight_max"].append(stats[:, 3].max().item())
