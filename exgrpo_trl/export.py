@@ -44,7 +44,7 @@ import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from .buffer import IDS_DTYPE, LOGPS_DTYPE, MASK_DTYPE, ExperienceBuffer, Trajectory
-from .state import META_FILENAME, STATE_DIRNAME, load_state, read_meta
+from .state import load_checkpoint_buffer
 
 EXPORT_FORMAT = "exgrpo-trl-export"
 EXPORT_VERSION = 1
@@ -154,18 +154,6 @@ def buffer_dataset(buffer: ExperienceBuffer, tokenizer, *, progress: bool = True
     return datasets.Dataset(datasets.table.InMemoryTable(table), info=datasets.DatasetInfo(features=features))
 
 
-def load_checkpoint_buffer(checkpoint: str | os.PathLike) -> ExperienceBuffer:
-    """The buffer saved in `checkpoint` (a checkpoint folder, or its `exgrpo_state` folder), read and checked as a
-    resume reads it. Raises StateFileError naming the file."""
-    checkpoint = Path(checkpoint)
-    if checkpoint.name == STATE_DIRNAME and (checkpoint / META_FILENAME).exists():
-        checkpoint = checkpoint.parent
-    meta = read_meta(checkpoint)
-    buffer = ExperienceBuffer(meta["buffer"]["config"]["num_generations"])
-    load_state(checkpoint, buffer, meta=meta)
-    return buffer
-
-
 def write_export(
     dataset: datasets.Dataset,
     meta: dict[str, Any],
@@ -240,9 +228,9 @@ def read_export_meta(path: str | os.PathLike, *, num_generations: int | None = N
             meta = json.loads(metadata[PARQUET_META_KEY])
         else:
             raise ExportError(f"ExGRPO buffer export not found: {path}")
-    except (OSError, ValueError, pa.ArrowException) as e:  # JSONDecodeError is a ValueError, and ExportError too
-        if isinstance(e, ExportError):
-            raise
+    except ExportError:
+        raise
+    except (OSError, ValueError, pa.ArrowException) as e:  # JSONDecodeError is a ValueError
         raise ExportError(f"ExGRPO buffer export is unreadable: {path} ({e})") from e
     if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:
         raise ExportError(f"{path} is not an ExGRPO buffer export (format {_get(meta, 'format')!r})")
@@ -279,9 +267,9 @@ def _export_batches(path: Path) -> tuple[int, Iterator[pa.Table | pa.RecordBatch
             file = pq.ParquetFile(str(path))
             names, num_rows = file.schema_arrow.names, file.metadata.num_rows
             batches = file.iter_batches(batch_size=CHUNK_ROWS)
+    except ExportError:
+        raise
     except (OSError, ValueError, pa.ArrowException) as e:  # datasets raises FileNotFoundError for a bad folder
-        if isinstance(e, ExportError):
-            raise
         raise ExportError(f"ExGRPO buffer export is unreadable: {path} ({e})") from e
     missing = [name for name in COLUMNS if name not in names]
     if missing:

@@ -335,6 +335,24 @@ def has_state(directory: str | os.PathLike) -> bool:
     return (Path(directory) / STATE_DIRNAME).is_dir()
 
 
+def checkpoint_folder(path: str | os.PathLike) -> Path:
+    """The folder holding `exgrpo_state/`: `path` itself, or its parent when `path` is the state folder."""
+    path = Path(path)
+    if path.name == STATE_DIRNAME and (path / META_FILENAME).exists():
+        return path.parent
+    return path
+
+
+def load_checkpoint_buffer(checkpoint: str | os.PathLike) -> ExperienceBuffer:
+    """The buffer saved in `checkpoint` (a checkpoint folder, or its `exgrpo_state` folder), read and checked as a
+    resume reads it. Raises StateFileError naming the file."""
+    checkpoint = checkpoint_folder(checkpoint)
+    meta = read_meta(checkpoint)
+    buffer = ExperienceBuffer(meta["buffer"]["config"]["num_generations"])
+    load_state(checkpoint, buffer, meta=meta)
+    return buffer
+
+
 def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
     """Read and check `state.json`: format, version, and the shape of every field the readers use (so that a state
     file of the wrong shape is reported, not met later as a KeyError). Raises StateFileError naming the file."""

@@ -568,8 +568,8 @@ class ExGRPOTrainer(GRPOTrainer):
             if not solved[row.global_row]:
                 output["advantages"][local] = 0.0
                 del batch.rows.offline[local]
-        offline_rows = {g for _, _, g in everything}
-        generated = [s for g, s in enumerate(solved) if g not in offline_rows]
+        offline_globals = {g for _, _, g in everything}
+        generated = [s for g, s in enumerate(solved) if g not in offline_globals]
         # as `batch_outcome` computes it (a float32 mean), over the generated rows only
         outcome.pass_at_1 = torch.tensor(generated, dtype=torch.float32).mean().item() if generated else 0.0
         self._exgrpo_batch_figures(
@@ -930,8 +930,8 @@ class ExGRPOTrainer(GRPOTrainer):
         )
         # Statistics over replayed tokens and over offline tokens of all ranks: one collective per micro-batch, on
         # every rank.
-        offline_rows = inputs.get(BatchKey.OFFLINE)
-        offline_mask = (mask * offline_rows.unsqueeze(1)).bool() if offline_rows is not None else None  # (B, T)
+        offline_flags = inputs.get(BatchKey.OFFLINE)  # (B,), present with offline guidance on
+        offline_mask = (mask * offline_flags.unsqueeze(1)).bool() if offline_flags is not None else None  # (B, T)
         token_mask = (mask * replay_mask).bool()  # (B, T)
         if offline_mask is not None:
             token_mask = token_mask & ~offline_mask

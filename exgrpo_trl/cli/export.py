@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from ..state import STATE_DIRNAME, StateFileError
-from .inspect import _checkpoint_of, _missing_state_hint
+from ..state import STATE_DIRNAME, StateFileError, checkpoint_folder
+from .inspect import _missing_state_hint
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..export import ExportError, export_checkpoint  # datasets and transformers: after --help
     from ..utils.tokenizer import checkpoint_tokenizer
 
-    checkpoint = _checkpoint_of(Path(args.checkpoint))
+    checkpoint = checkpoint_folder(args.checkpoint)
     try:
         if not checkpoint.is_dir() or not (checkpoint / STATE_DIRNAME).is_dir():
             raise StateFileError(f"no ExGRPO state to export: {_missing_state_hint(checkpoint)}")

@@ -28,26 +28,19 @@ from typing import Any
 
 import numpy as np
 
-from ..buffer import ExperienceBuffer
 from ..state import (
     ARRAYS_FILENAME,
     META_FILENAME,
     STATE_DIRNAME,
     StateFileError,
-    load_state,
+    checkpoint_folder,
+    load_checkpoint_buffer,
     read_meta,
     read_small_arrays,
     verify_arrays,
 )
 
 SMALL_ARRAYS = ("lengths", "steps")  # the only arrays read (one entry per trajectory)
-
-
-def _checkpoint_of(path: Path) -> Path:
-    """The folder holding `exgrpo_state/`: the checkpoint itself, or its parent if given the state folder."""
-    if path.name == STATE_DIRNAME and (path / META_FILENAME).exists():
-        return path.parent
-    return path
 
 
 def _missing_state_hint(checkpoint: Path) -> str:
@@ -64,7 +57,7 @@ def _missing_state_hint(checkpoint: Path) -> str:
 
 def summarize(checkpoint: str | Path, *, verify: bool = False) -> dict[str, Any]:
     """The summary `exgrpo inspect` prints, as a dict. Raises StateFileError for a missing or damaged state."""
-    checkpoint = _checkpoint_of(Path(checkpoint))
+    checkpoint = checkpoint_folder(checkpoint)
     state_dir = checkpoint / STATE_DIRNAME
     if not (state_dir / META_FILENAME).exists():
         hint = _missing_state_hint(checkpoint)
@@ -176,11 +169,9 @@ def show_questions(checkpoint: str | Path, n: int, tokenizer: str | None = None)
     buffer, checked as a resume reads it. Raises StateFileError, or ValueError when there is no tokenizer."""
     from ..utils.tokenizer import checkpoint_tokenizer  # transformers: only for --show
 
-    checkpoint = _checkpoint_of(Path(checkpoint))
+    checkpoint = checkpoint_folder(checkpoint)
     decoder = checkpoint_tokenizer(checkpoint, tokenizer)
-    meta = read_meta(checkpoint)
-    buffer = ExperienceBuffer(meta["buffer"]["config"]["num_generations"])
-    load_state(checkpoint, buffer, meta=meta)
+    buffer = load_checkpoint_buffer(checkpoint)
     shown = []
     for key in list(buffer.questions)[:n]:
         entry = buffer.questions[key]
