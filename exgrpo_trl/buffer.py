@@ -25,7 +25,9 @@ LOGPS_DTYPE = np.float16
 # one byte per token, kept only for trajectories that hold external tokens (None: every token is the model's).
 MASK_DTYPE = np.uint8
 # The buffer's settings that a resumed run takes from its own config (`ExperienceBuffer.restore`).
-SAMPLING_SETTINGS = ("mu", "sigma", "question_selection")
+SAMPLING_SETTINGS = ("mu", "sigma", "question_selection", "cooldown")
+# What a state saved before a setting existed had (the setting's value then): states without a reuse limit.
+SETTING_DEFAULTS = {"cooldown": 0}
 
 
 def question_key(prompt: Any) -> str:
@@ -137,7 +139,9 @@ class ExperienceBuffer:
     - `update_group` applies one group's outcome: K/K retires the question (removed, never replayed again), 0/K
       leaves an existing entry as it is, 1..K-1 sets the bucket and adds the new, de-duplicated trajectories.
     - `sample_questions` draws questions for replay: a Gaussian over non-empty buckets (or uniform over questions),
-      per-bucket counts from a capped multinomial, uniform without replacement within a bucket.
+      per-bucket counts from a capped multinomial, uniform without replacement within a bucket. With a reuse limit
+      (`cooldown` N > 0) a question replayed in one draw sits out the next N draws: only eligible questions are
+      drawn, and a draw may return fewer than asked for (algorithm §5a). `mark_replayed` closes a draw.
     - All randomness comes from the buffer's own seeded generator, never the global torch / numpy / python ones.
     """
 
@@ -149,6 +153,7 @@ class ExperienceBuffer:
         sigma: float = 1.0,
         question_selection: str = "gaussian",
         seed: int = 0,
+        cooldown: int = 0,
     ):
         if num_generations < 2:
             raise ValueError(f"num_generations must be >= 2, got {num_generations}")
@@ -156,11 +161,16 @@ class ExperienceBuffer:
             raise ValueError(f"question_selection must be 'gaussian' or 'uniform', got {question_selection!r}")
         if sigma <= 0:
             raise ValueError(f"sigma must be > 0, got {sigma}")
+        if isinstance(cooldown, bool) or not isinstance(cooldown, int) or cooldown < 0:
+            raise ValueError(f"cooldown must be an integer >= 0 (generation batches), got {cooldown!r}")
         self.num_generations = num_generations
         self.mu = mu
         self.sigma = sigma
         self.question_selection = question_selection
         self.seed = seed
+        self.cooldown = cooldown
+        self.draws = 0  # replay draws closed so far (`mark_replayed`): one per generation batch once replay is on
+        self.replayed_at: dict[str, int] = {}  # question -> the draw it was last replayed in (buffer questions only)
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.questions: dict[str, QuestionEntry] = {}  # insertion-ordered: sampling is reproducible
         self.retired: set[str] = set()
@@ -201,6 +211,7 @@ class ExperienceBuffer:
         entry = self.questions.pop(key, None)
         if entry is not None:
             self._buckets[entry.k].pop(key, None)
+        self.replayed_at.pop(key, None)
         self.retired.add(key)
 
     def update_group(
@@ -240,27 +251,49 @@ class ExperienceBuffer:
             [k for k, c in counts.items() if c > 0], self.num_generations, self.mu, self.sigma
         )
 
+    def eligible(self, key: str) -> bool:
+        """Whether `key` may be drawn in the current draw: always without a reuse limit; with one, unless it was
+        replayed in one of the last `cooldown` draws (replayed in draw d, it sits out draws d+1 .. d+cooldown)."""
+        last = self.replayed_at.get(key)
+        return self.cooldown == 0 or last is None or self.draws - last > self.cooldown
+
     def sample_questions(self, n: int) -> list[str]:
-        """Draw `n` distinct questions for replay (fewer if the buffer holds fewer)."""
-        n = min(int(n), len(self.questions))
+        """Draw `n` distinct questions for replay (fewer if the buffer holds fewer eligible ones: `eligible`)."""
+        if self.cooldown:
+            members_of = {b: [q for q in m if self.eligible(q)] for b, m in self._buckets.items()}
+        else:  # no reuse limit: every question, as the paper draws them
+            members_of = {b: list(m) for b, m in self._buckets.items()}
+        n = min(int(n), sum(len(m) for m in members_of.values()))
         if n <= 0:
             return []
-        keys = list(self.questions)
         if self.question_selection == "uniform":
+            keys = list(self.questions)
+            if self.cooldown:
+                keys = [q for q in keys if self.eligible(q)]
             picked = self.rng.choice(len(keys), size=n, replace=False)
             return [keys[i] for i in picked]
 
-        buckets = [b for b, members in self._buckets.items() if members]
-        probs = self.bucket_probabilities()
+        buckets = [b for b, members in members_of.items() if members]
+        probs = gaussian_bucket_probabilities(buckets, self.num_generations, self.mu, self.sigma)
         p = np.array([probs[b] for b in buckets], dtype=np.float64)
-        sizes = np.array([len(self._buckets[b]) for b in buckets], dtype=np.int64)
+        sizes = np.array([len(members_of[b]) for b in buckets], dtype=np.int64)
         counts = _capped_multinomial(self.rng, n, p, sizes)
         sampled: list[str] = []
         for bucket, count in zip(buckets, counts):
             if count:
-                members = list(self._buckets[bucket])
+                members = members_of[bucket]
                 sampled += [members[i] for i in self.rng.choice(len(members), size=int(count), replace=False)]
         return sampled
+
+    def mark_replayed(self, keys: Sequence[str]) -> list[bool]:
+        """Close a draw: `keys` were replayed in it. Returns, per key, whether it was also replayed in the draw
+        before (the repeat share's numerator); the next draw's reuse limit counts from here."""
+        repeats = [self.replayed_at.get(key) == self.draws - 1 for key in keys]
+        for key in keys:
+            if key in self.questions:
+                self.replayed_at[key] = self.draws
+        self.draws += 1
+        return repeats
 
     def choose_random(self, n: int) -> int:
         """Index of one of `n` candidates, uniformly, from the buffer's generator (random trajectory selection)."""
@@ -274,6 +307,7 @@ class ExperienceBuffer:
             "sigma": self.sigma,
             "question_selection": self.question_selection,
             "seed": self.seed,
+            "cooldown": self.cooldown,
         }
 
     def iter_trajectories(self) -> Iterator[Trajectory]:
@@ -303,6 +337,9 @@ class ExperienceBuffer:
                 for key, e in self.questions.items()
             ],
             "retired": sorted(self.retired),
+            # the reuse limit's clock (`mark_replayed`), kept with or without a limit: the repeat share reads it
+            "draws": self.draws,
+            "replayed_at": dict(self.replayed_at),
         }
 
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -399,13 +436,15 @@ class ExperienceBuffer:
             self._buckets[q["k"]][q["key"]] = None
         self.retired.clear()
         self.retired.update(meta["retired"])
+        self.draws = int(meta.get("draws", 0))  # states written before the reuse limit had none
+        self.replayed_at = {key: int(d) for key, d in meta.get("replayed_at", {}).items()}
 
     def config_changes(self, saved_config: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
         """The sampling settings that differ between a saved state's config and this buffer: name -> (saved, now)."""
         return {
-            name: (saved_config.get(name), getattr(self, name))
+            name: (saved_config.get(name, SETTING_DEFAULTS.get(name)), getattr(self, name))
             for name in SAMPLING_SETTINGS
-            if saved_config.get(name) != getattr(self, name)
+            if saved_config.get(name, SETTING_DEFAULTS.get(name)) != getattr(self, name)
         }
 
     def _check_config(self, meta: dict[str, Any]) -> None:

@@ -55,6 +55,15 @@ class ExGRPOConfig(GRPOConfig):
             "buffer (the paper's 'w/o question selection' ablation)."
         },
     )
+    replay_cooldown: int = field(
+        default=0,
+        metadata={
+            "help": "Reuse limit: a question replayed in a generation batch is not drawn again for the next N "
+            "generation batches (it is replayed at most once every N + 1). When fewer questions are eligible than "
+            "the replay count asks for, fewer groups are replayed and the rest are fresh. 0 (default): no limit, "
+            "the paper's ExGRPO."
+        },
+    )
     trajectory_selection: str = field(
         default="lowest_entropy",
         metadata={
@@ -221,6 +230,9 @@ class ExGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"trajectory_selection must be one of {TRAJECTORY_SELECTIONS}, got {self.trajectory_selection!r}."
             )
+        c = self.replay_cooldown
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            raise ValueError(f"replay_cooldown must be an integer >= 0 (generation batches), got {c!r}.")
         m = self.max_trajectory_candidates
         # bool is an int in Python, and a float such as 2.5 would silently shortlist 2 (slicing) or fail later
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):

@@ -42,6 +42,8 @@ class ReplayQuestion:
     key: str
     row: dict[str, Any]
     candidates: list[Trajectory]  # in stored order (oldest first)
+    bucket: int = 0  # its success count k when drawn
+    repeat: bool = False  # also replayed in the draw before this one
 
 
 def draw_replay_questions(
@@ -50,10 +52,13 @@ def draw_replay_questions(
     """Sample `n` questions from the buffer (algorithm §5) and shortlist each one's candidates (algorithm §6).
 
     `random` selection draws its one trajectory here, uniformly over all stored ones, and scores nothing; the other
-    rules keep at most `max_candidates`, ranked by stored log-likelihood (`buffer.shortlist_candidates`).
+    rules keep at most `max_candidates`, ranked by stored log-likelihood (`buffer.shortlist_candidates`). The draw is
+    closed on the buffer (`mark_replayed`: the reuse limit's clock and the repeat flags), also when nothing is drawn.
     """
     drawn = []
-    for key in buffer.sample_questions(n):
+    keys = buffer.sample_questions(n)
+    repeats = buffer.mark_replayed(keys)
+    for key, repeat in zip(keys, repeats):
         entry = buffer.questions[key]
         candidates = entry.trajectories
         if trajectory_selection == "random":
@@ -61,7 +66,7 @@ def draw_replay_questions(
                 candidates = [candidates[buffer.choose_random(len(candidates))]]
         else:
             candidates = shortlist_candidates(candidates, max_candidates, trajectory_selection == "highest_entropy")
-        drawn.append(ReplayQuestion(key, entry.row, list(candidates)))
+        drawn.append(ReplayQuestion(key, entry.row, list(candidates), entry.k, repeat))
     return drawn
 
 
@@ -86,6 +91,13 @@ class ReplayPlan:
     masks: list[list[int] | None] = field(default_factory=list)  # per trajectory: 1 for the model's tokens, or None
     records: list[dict[str, Any] | None] = field(default_factory=list)  # per trajectory (`Trajectory.record`)
     collected_at: list[int] = field(default_factory=list)  # per trajectory: the global step it was collected at
+    buckets: list[int] = field(default_factory=list)  # per replayed question: its success count k when drawn
+    repeats: list[bool] = field(default_factory=list)  # per replayed question: also replayed in the batch before
+
+    @property
+    def repeat_share(self) -> float:
+        """The share of this batch's replayed questions that were also replayed in the generation batch before."""
+        return sum(self.repeats) / len(self.repeats) if self.repeats else 0.0
 
     def mask(self, j: int) -> list[int]:
         """Trajectory j's model mask (all ones when every token is the model's)."""
@@ -119,6 +131,8 @@ class ReplayPlan:
             masks=[None if t.mask is None else t.mask.tolist() for t in picked],
             records=[t.record for t in picked],
             collected_at=[int(t.step) for t in picked],
+            buckets=[question.bucket for question in drawn],
+            repeats=[question.repeat for question in drawn],
         )
 
 

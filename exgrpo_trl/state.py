@@ -467,6 +467,10 @@ def _check_shape(path: Path, meta: dict[str, Any]) -> None:
             _expect(path, f"{where}.records[{j}]", record, "an object or null")  # format 2 only
     for i, key in enumerate(_field(path, buffer, "retired", "buffer", "an array")):
         _expect(path, f"buffer.retired[{i}]", key, "a string")
+    _field(path, config, "cooldown", "buffer.config", "a non-negative integer", optional=True)  # older states lack
+    _field(path, buffer, "draws", "buffer", "a non-negative integer", optional=True)  # these three (reuse limit)
+    for key, draw in (_field(path, buffer, "replayed_at", "buffer", "an object", optional=True) or {}).items():
+        _expect(path, f"buffer.replayed_at[{key!r}]", draw, "a non-negative integer")
 
     # the trainer's switches: optional (a state may be saved with none), typed when present
     trainer = meta["trainer"]

@@ -193,6 +193,7 @@ class ExGRPOTrainer(GRPOTrainer):
             sigma=cfg.replay_sigma,
             question_selection=cfg.question_selection,
             seed=cfg.seed,
+            cooldown=cfg.replay_cooldown,
         )
         # Offline guidance (`offline.py`): reference solutions as each fresh group's first row; None when off.
         self.offline_guide: OfflineGuide | None = None
@@ -698,6 +699,8 @@ class ExGRPOTrainer(GRPOTrainer):
         plan = batch.plan
         n_exp = len(plan.group_indices) if plan is not None else 0
         latest = {"replay/fraction": n_exp / max(1, len(outcome.successes)), "batch/pass_at_1": outcome.pass_at_1}
+        if plan is not None:
+            latest["replay/repeat_share"] = plan.repeat_share
         if plan is not None and plan.selected_entropies:
             latest["replay/selected_entropy"] = sum(plan.selected_entropies) / len(plan.selected_entropies)
         self._exgrpo_batch_figures(latest)

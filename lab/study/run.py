@@ -161,7 +161,14 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
             solved[prompt] += r is not None and r >= 1.0
         plan = getattr(trainer, "last_replay_plan", None)  # set before this batch was generated
         groups_now.clear()
-        groups_now.update(group_shares(rewards, task.num_generations, len(plan.keys) if plan is not None else 0))
+        groups_now.update(
+            group_shares(
+                rewards,
+                task.num_generations,
+                len(plan.keys) if plan is not None else 0,
+                stored_first=plan is not None and plan.with_trajectories,
+            )
+        )
         return rewards
 
     trainer = trainer_cls(
@@ -310,10 +317,12 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
     return record
 
 
-def group_shares(rewards: list, k: int, replayed: int) -> dict[str, float]:
+def group_shares(rewards: list, k: int, replayed: int, stored_first: bool = True) -> dict[str, float]:
     """Counts of groups of `k` consecutive rows with no success (all-fail) and with every row a success (all-pass),
     among the fresh groups and among the last `replayed` groups (a replay plan's), whose advantages are all zero.
-    A row succeeds with a reward >= 1 (the toy tasks' rewards are 0 or 1, so these are the zero-variance groups)."""
+    A row succeeds with a reward >= 1 (the toy tasks' rewards are 0 or 1, so these are the zero-variance groups).
+    `replayed_fresh_all_fail`: replayed groups whose generated rows all fail (the K - 1 after the stored first row
+    when `stored_first`, else all K): the stored success is then the group's only positive advantage."""
     solved = [r is not None and r >= 1.0 for r in rewards]
     groups = [sum(solved[g * k : (g + 1) * k]) for g in range(len(solved) // k)]
     split = len(groups) - replayed
@@ -322,19 +331,27 @@ def group_shares(rewards: list, k: int, replayed: int) -> dict[str, float]:
         out[f"{name}_groups"] = len(part)
         out[f"{name}_all_fail"] = sum(1 for c in part if c == 0)
         out[f"{name}_all_pass"] = sum(1 for c in part if c == k)
+    skip = 1 if stored_first else 0
+    out["replayed_fresh_all_fail"] = sum(
+        1 for g in range(split, len(groups)) if not any(solved[g * k + skip : (g + 1) * k])
+    )
     return out
 
 
 def batch_record(step: int, plan, groups: dict, buffer) -> dict:
     """What one generation batch, generated at update `step` (0-based), was made of: its fresh and replayed groups
-    (`group_shares`), the buffer's bucket occupancy after the batch was committed (questions per k = 1..K-1), and
-    the age in updates of each replayed stored trajectory (`step` minus the update it was collected at)."""
+    (`group_shares`), the bucket occupancy of the buffer the batch drew from (questions per k = 1..K-1; its outcome
+    is committed after the batch's first pass, so not yet), the age in updates of each replayed stored trajectory
+    (`step` minus the update it was collected at), the bucket (success count k) of each replayed question when it
+    was drawn, and the share of them also replayed in the generation batch before (`repeat_share`)."""
     ages = [step - c for c in plan.collected_at] if plan is not None and plan.with_trajectories else []
     return {
         "step": step,
         **groups,
         "buckets": {str(b): n for b, n in buffer.bucket_counts().items()} if buffer is not None else None,
         "age": {"mean": _r(statistics.mean(ages), 2), "max": max(ages)} if ages else None,
+        "replayed_buckets": list(plan.buckets) if plan is not None else [],
+        "repeat_share": _r(plan.repeat_share) if plan is not None else None,
     }
 
 

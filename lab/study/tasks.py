@@ -260,6 +260,14 @@ ARMS: dict[str, Arm] = {
         "diagnostic: GRPO with retired questions skipped",
         {"replay_ratio": 0.0, "skip_retired_without_replay": True},
     ),
+    # What replay costs at the hard point (docs/study.md, "What replay costs"): the dose (half the paper's replay
+    # ratio) and the concentration (a reuse limit: a replayed question sits out the next 9 generation batches, so no
+    # question is replayed more than once in 10; `uniform_questions` is the other concentration arm).
+    "replay_quarter": Arm("dose: replay_ratio 0.25 (the paper: 0.5)", {**_PAPER, "replay_ratio": 0.25}),
+    "reuse_limit": Arm(
+        "concentration: reuse limit, a replayed question sits out the next 9 generation batches",
+        {**_PAPER, "replay_cooldown": 9},
+    ),
     # Offline guidance (docs/algorithm.md, section 11): the task's `answer` column holds one correct solution per
     # question (Countdown: the expression its target was made from), put as the first row of each fresh group.
     "luffy": Arm(

@@ -153,3 +153,68 @@ def test_shortlist_keeps_the_lowest_stored_nll_in_stored_order():
     assert picked(1, highest=True) == [2]  # 3.0
     assert picked(2, highest=True) == [0, 2]  # then t0 (2.0)
     assert picked(5) == picked(9) == picked(None) == [0, 1, 2, 3, 4]  # no cap to apply
+
+
+def test_reuse_limit_by_hand():
+    # cooldown N = 2: a question replayed in draw d sits out draws d+1 and d+2 and is eligible again in d+3.
+    # 4 questions, 3 asked for per draw (draws are closed by mark_replayed, as draw_replay_questions does):
+    #   draw 0: all 4 eligible -> 3 drawn (A)           draw 1: only the 4th (not in A) is eligible -> 1 drawn
+    #   draw 2: none eligible (A sat out 1, 2; the 4th sits out 2, 3) -> 0 drawn: every group of the batch is fresh
+    #   draw 3: A eligible again (3 - 0 > 2), the 4th not (3 - 1 = 2) -> exactly A again
+    buffer = filled({3: 2, 4: 2}, cooldown=2)
+    first = buffer.sample_questions(3)
+    assert len(first) == 3 and buffer.mark_replayed(first) == [False] * 3
+    second = buffer.sample_questions(3)
+    assert second == sorted(set(buffer.questions) - set(first)) and buffer.mark_replayed(second) == [False]
+    assert buffer.sample_questions(3) == [] and buffer.mark_replayed([]) == []
+    fourth = buffer.sample_questions(3)
+    assert sorted(fourth) == sorted(first)
+    assert buffer.mark_replayed(fourth) == [False] * 3  # replayed in draw 0, not in draw 2: no repeat
+    assert (buffer.draws, buffer.replayed_at[second[0]], buffer.replayed_at[first[0]]) == (4, 1, 3)
+
+
+def test_reuse_limit_gaussian_over_eligible_buckets_and_repeat_flags():
+    # Bucket 4 (weight 1) holds 1 question, bucket 1 (weight e^-4.5) holds 5. Without a limit a draw of 1 almost
+    # always takes bucket 4's question, and every draw after the first is a repeat (draw d-1 had it too).
+    plain = filled({4: 1, 1: 5}, seed=1)
+    flags = [plain.mark_replayed(plain.sample_questions(1)) for _ in range(50)]
+    assert sum(f == [True] for f in flags) >= 45
+    # With cooldown 1 it can be drawn at most every other draw; in between, the Gaussian renormalises over the
+    # buckets that hold an eligible question (bucket 1 alone): a draw never comes back empty, never repeats.
+    limited = filled({4: 1, 1: 5}, seed=1, cooldown=1)
+    drawn = []
+    for _ in range(50):
+        keys = limited.sample_questions(1)
+        assert len(keys) == 1 and limited.mark_replayed(keys) == [False]
+        drawn += keys
+    assert all(a != b for a, b in zip(drawn, drawn[1:]))
+    assert drawn.count("b4-0") >= 20  # taken at nearly every draw it is eligible for (p = 1 / (1 + e^-4.5) = .989)
+
+
+def test_reuse_limit_is_state_and_off_changes_nothing():
+    # Draws are the same as without the clock when cooldown is 0 (the paper): same seed, same keys, same RNG state.
+    a, b = filled({2: 6, 4: 6, 6: 6}, seed=7), filled({2: 6, 4: 6, 6: 6}, seed=7)
+    for _ in range(5):
+        keys = a.sample_questions(4)
+        a.mark_replayed(keys)
+        assert keys == b.sample_questions(4)
+    # The clock is saved and restored: a restored buffer with a limit draws what the original draws next.
+    c = filled({2: 6, 4: 6, 6: 6}, seed=7, cooldown=3)
+    for _ in range(3):
+        c.mark_replayed(c.sample_questions(4))
+    arrays, meta = c.state_dict()
+    d = ExperienceBuffer(8, seed=0, cooldown=3)
+    d.load_state_dict(arrays, meta)
+    assert (d.draws, d.replayed_at) == (c.draws, c.replayed_at) == (3, d.replayed_at)
+    assert d.sample_questions(6) == c.sample_questions(6)
+    # a retired question leaves the clock; a state saved before the limit existed loads with none
+    key = next(iter(c.replayed_at))
+    c.retire(key)
+    assert key not in c.replayed_at
+    old = {k: v for k, v in meta.items() if k not in ("draws", "replayed_at")}
+    e = ExperienceBuffer(8, cooldown=3)
+    e.load_state_dict(arrays, old)
+    assert (e.draws, e.replayed_at) == (0, {})
+    assert e.config_changes(old["config"] | {"cooldown": 0}) == {"cooldown": (0, 3)}
+    del old["config"]["cooldown"]  # written before the option: read as no limit
+    assert e.config_changes(old["config"]) == {"cooldown": (0, 3)}

@@ -25,6 +25,7 @@ def test_defaults_are_the_papers(tmp_path):
     assert (cfg.success_reward_threshold, cfg.skip_retired_questions) == (1.0, True)
     # the one default that is not the paper's (README, "Decisions"): scoring is bounded to 4 shortlisted candidates
     assert cfg.max_trajectory_candidates == 4
+    assert cfg.replay_cooldown == 0  # no reuse limit: the paper's ExGRPO
 
 
 def test_every_field_has_help():
@@ -38,6 +39,7 @@ def test_every_field_has_help():
         "replay_start_pass_rate",
         "replay_mu",
         "replay_sigma",
+        "replay_cooldown",
         "question_selection",
         "trajectory_selection",
         "policy_shaping_gamma",
