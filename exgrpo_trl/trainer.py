@@ -699,6 +699,9 @@ class ExGRPOTrainer(GRPOTrainer):
         plan = batch.plan
         n_exp = len(plan.group_indices) if plan is not None else 0
         latest = {"replay/fraction": n_exp / max(1, len(outcome.successes)), "batch/pass_at_1": outcome.pass_at_1}
+        fresh = outcome.successes[: len(outcome.successes) - n_exp]  # the replayed groups are the last n_exp
+        if fresh:  # fresh groups with no successful row: no gradient, nothing to store
+            latest["batch/fresh_all_fail"] = sum(1 for k in fresh if k == 0) / len(fresh)
         if plan is not None:
             latest["replay/repeat_share"] = plan.repeat_share
         if plan is not None and plan.selected_entropies:

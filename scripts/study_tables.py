@@ -13,7 +13,7 @@
     arm-pairs      the arms paired by seed at the paper-shaped point             docs/study.md
     hard-pairs     the same at the hard point                                    docs/study.md
     hard-diagnostics  what the hard point's generation batches were made of      docs/study.md
-    noise          the held-out estimate's noise, one line                       docs/study.md
+    noise          the evaluation noise of fixed models, one line                      docs/study.md
     regimes        the paper's run beside each setting                           docs/study.md
     paper-point    every arm at the paper-shaped point                           docs/study.md
     hard-point     every arm at the hard point                                   docs/study.md
@@ -43,7 +43,7 @@ HEADINGS = {
     "paper-point": f"### {PAPER_POINT}:",
     "hard-point": f"### {HARD_POINT}:",
 }
-NOISE = "Held-out estimate noise:"  # the line of results.md copied as "noise"
+NOISE = "Evaluation noise ("  # the line of results.md copied as "noise"
 OPTIONAL = ("hard-pairs", "hard-diagnostics", "hard-point")  # their runs may not be in yet
 NOT_YET = "_Not in yet: its runs are training._"
 PAGES = {
@@ -57,11 +57,11 @@ DIFFICULTY_SHORT = (0, 1, 5, 6, 9)
 
 
 def columns(table: str, keep: tuple[int, ...]) -> str:
-    """The table with only the columns `keep` (0-based)."""
+    """The table with only the columns `keep` (0-based), each difference as its mean and interval (no "(sd ...)")."""
     header, _, *rows = table.splitlines()
     out = []
     for i, line in enumerate([header, *rows]):
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        cells = [re.sub(r" \(sd [0-9.]+\)", "", c.strip()) for c in line.strip().strip("|").split("|")]
         out.append("| " + " | ".join(cells[k] for k in keep) + " |")
         if i == 0:
             out.append("|" + "---|" * len(keep))

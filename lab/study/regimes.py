@@ -164,10 +164,37 @@ def _paired(grpo: list[dict], exgrpo: list[dict], value) -> list[float]:
     return [value(r) - value(by_seed[r["seed"]]) for r in ordered if r["seed"] in by_seed]
 
 
+# Student's t, two-sided 95% (the 0.975 quantile), by degrees of freedom: the standard table's values.
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+def t_interval(values: list[float]) -> tuple[float, float] | None:
+    """The 95% t-interval of the mean of `values` (one per seed): mean -+ t(0.975, n - 1) * sd / sqrt(n), sd the
+    sample standard deviation (n - 1). None with fewer than 2 values. Seeds are the units: what varies between two
+    arms trained with one seed is the whole training run, not only the held-out estimate of its final model."""
+    n = len(values)
+    if n < 2:
+        return None
+    mean, sd = statistics.fmean(values), statistics.stdev(values)
+    half = T_975.get(n - 1, 1.96) * sd / math.sqrt(n)
+    return mean - half, mean + half
+
+
 def _band(values: list[float]) -> dict | None:
+    """Per-seed values summarised: median, min and max, and the mean, its standard deviation over seeds and its 95%
+    t-interval (`t_interval`; None for one seed)."""
     if not values:
         return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "seeds": len(values)}
+    ci = t_interval(values)
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "seeds": len(values),
+        "mean": statistics.fmean(values),
+        "sd": statistics.stdev(values) if len(values) > 1 else None,
+        "ci95": list(ci) if ci is not None else None,
+    }
 
 
 # The comparisons every point reports, ExGRPO minus GRPO paired by seed: (key, what, axis)
@@ -232,6 +259,14 @@ ARM_PAIRS = (
     ("exgrpo_offline", "exgrpo"),
     ("exgrpo_offline", "luffy"),
     ("exgrpo_offline", "grpo"),
+    # what replay costs at the hard point (docs/study.md): dose, concentration, shaping; and the reuse limit
+    ("replay_quarter", "exgrpo"),
+    ("replay_quarter", "grpo"),
+    ("reuse_limit", "exgrpo"),
+    ("reuse_limit", "grpo"),
+    ("uniform_questions", "grpo"),
+    ("no_shaping", "exgrpo"),
+    ("no_shaping", "grpo"),
 )
 
 
@@ -241,7 +276,7 @@ def arm_pairs(task: str, records: list[dict]) -> list[dict]:
 
 
 def arm_pairs_markdown(pairs: list[dict]) -> str:
-    """One row a pair of arms: the difference on both axes, paired by seed, median [min, max]."""
+    """One row a pair of arms: the difference on both axes, paired by seed: mean (sd over seeds) [95% t-interval]."""
     head = ["arms", *(f"{what}, {axis}" for _, what, axis in COMPARISONS), "seeds"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in pairs:
@@ -294,9 +329,13 @@ def _f(x: float | None, digits: int = 3, sign: bool = False) -> str:
 
 
 def _diff(b: dict | None, digits: int = 3) -> str:
+    """A paired difference over seeds: mean, standard deviation over seeds, 95% t-interval over seeds."""
     if b is None:
         return "-"
-    return f"{_f(b['median'], digits, True)} [{_f(b['min'], digits, True)}, {_f(b['max'], digits, True)}]"
+    if b.get("ci95") is None:  # one seed (or a record written before the intervals): no interval
+        return f"{_f(b.get('mean', b['median']), digits, True)} (1 seed)"
+    lo, hi = b["ci95"]
+    return f"{_f(b['mean'], digits, True)} (sd {_f(b['sd'], digits)}) [{_f(lo, digits, True)}, {_f(hi, digits, True)}]"
 
 
 def _diff_headers() -> list[str]:
@@ -376,10 +415,11 @@ def regime_markdown(stats: dict[str, dict]) -> str:
 
 
 def _difference_figure(groups, x_key: str, x_label: str, path: Path, noise: float | None, log_x: bool) -> None:
-    """Two panels (final, AUC), each with ExGRPO minus GRPO at equal updates and at equal rollouts against `x_key`.
-    `groups`: (points, label, marker, annotate) for each family of points; an annotated family is a set of separate
-    settings (labelled, not joined by a line). `noise`: the standard deviation of a difference of two final figures
-    by chance alone; the grey band is 2 of them."""
+    """Two panels (final, AUC), each with ExGRPO minus GRPO at equal updates and at equal rollouts against `x_key`:
+    the mean paired difference with its 95% t-interval over seeds. `groups`: (points, label, marker, annotate) for each
+    family of points; an annotated family is a set of separate settings (labelled, not joined by a line). `noise`: the
+    standard deviation of a difference of two final figures of fixed models from their evaluation alone (the grey
+    band is 2 of them): a smaller figure than the seed-to-seed spread the bars show."""
     import matplotlib
     import matplotlib.ticker
 
@@ -397,9 +437,10 @@ def _difference_figure(groups, x_key: str, x_label: str, path: Path, noise: floa
                 if not shown:
                     continue
                 x = [p[x_key] * shift if log_x else p[x_key] + shift for p in shown]
-                med = [p[key]["median"] for p in shown]
-                lo = [p[key]["median"] - p[key]["min"] for p in shown]
-                hi = [p[key]["max"] - p[key]["median"] for p in shown]
+                med = [p[key]["mean"] for p in shown]
+                ci = [p[key]["ci95"] or [p[key]["mean"]] * 2 for p in shown]  # one seed: no bar
+                lo = [m - c[0] for m, c in zip(med, ci)]
+                hi = [c[1] - m for m, c in zip(med, ci)]
                 ax.errorbar(x, med, yerr=[lo, hi], fmt=marker + ("" if annotate else "-"), capsize=4, lw=1.4,
                             ms=6, fillstyle=fill, label=f"{label}, {axis}")  # fmt: skip
                 if annotate and axis == "equal updates":
@@ -409,12 +450,12 @@ def _difference_figure(groups, x_key: str, x_label: str, path: Path, noise: floa
         ax.axhline(0.0, color="black", lw=0.8)
         if noise and what == "final":
             ax.axhspan(-2 * noise, 2 * noise, color="grey", alpha=0.15, lw=0,
-                       label="estimate noise (2 sd of a difference of two finals)")  # fmt: skip
+                       label="evaluation noise of fixed models (2 sd), not the seed-to-seed spread")  # fmt: skip
         if log_x:
             ax.set_xscale("log")
             ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # decades only: minor labels overlap
         ax.set_xlabel(x_label)
-        ax.set_ylabel("ExGRPO - GRPO (median, min-max over seeds)")
+        ax.set_ylabel("ExGRPO - GRPO (mean, 95% t-interval over seeds)")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -441,8 +482,10 @@ def batch_diagnostics(records: list[dict]) -> dict[str, dict]:
     """Per arm, from the per-generation-batch records (runs that have them), the median over seeds of: the share of
     fresh and of replayed groups with no success (all-fail: no gradient, no success to store) and with every rollout a
     success (all-pass: no gradient either), the groups per generation batch that carry a gradient (neither), the
-    importance weights of replayed tokens (mean, 5th and 95th percentile, share below gamma; medians over batches)
-    and the replayed trajectories' mean age in updates."""
+    importance weights of replayed tokens (mean, 5th and 95th percentile, share below gamma; medians over batches),
+    the replayed trajectories' mean age in updates, and, from the records that carry them, the repeat share, the
+    replayed groups whose generated rows all fail, and replays per buffered question per batch (the concentration).
+    The buffer's size is the one the batch drew from."""
     out: dict[str, dict] = {}
     for arm in sorted({r["arm"] for r in records if r.get("batches")}):
         per_seed: dict[str, list[float]] = {}
@@ -465,6 +508,20 @@ def batch_diagnostics(records: list[dict]) -> dict[str, dict]:
             ages = [b["age"]["mean"] for b in batches if b.get("age")]
             if ages:
                 figures["age_mean"] = statistics.fmean(ages)
+            # concentration (records written since the reuse limit): how often the same questions come back
+            shares = [b["repeat_share"] for b in batches if b.get("repeat_share") is not None]
+            if shares:
+                figures["repeat_share"] = statistics.fmean(shares)
+            replayed = sum(b["replayed_groups"] for b in batches)
+            if replayed and "replayed_fresh_all_fail" in batches[0]:
+                figures["replayed_fresh_all_fail"] = sum(b["replayed_fresh_all_fail"] for b in batches) / replayed
+            demand = [
+                b["replayed_groups"] / sum(b["buckets"].values())
+                for b in batches
+                if b.get("buckets") and sum(b["buckets"].values()) and b["replayed_groups"]
+            ]
+            if demand:
+                figures["replays_per_buffered"] = statistics.fmean(demand)
             for key, value in figures.items():
                 per_seed.setdefault(key, []).append(value)
         out[arm] = {key: statistics.median(values) for key, values in per_seed.items()}
@@ -484,6 +541,9 @@ DIAGNOSTIC_ROWS = (
     ("w, 95th percentile", "is_weight_p95", 3),
     ("replayed tokens with w below gamma (share)", "is_weight_below_gamma", 3),
     ("replayed trajectories' age (updates), mean", "age_mean", 1),
+    ("replayed questions also replayed in the batch before (repeat share)", "repeat_share", 3),
+    ("replayed groups whose generated rows all fail (share)", "replayed_fresh_all_fail", 3),
+    ("replays per buffered question, per generation batch that replays", "replays_per_buffered", 3),
 )
 
 

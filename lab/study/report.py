@@ -266,16 +266,18 @@ def sweep_report(runs: list[dict], results: Path) -> str:
     if "grpo" in seed0 and "exgrpo" in seed0:
         curves_figure(seed0["grpo"], seed0["exgrpo"], results / "curves.png")
     axes = (
-        "paired by seed, median [min, max]; final: the mean of the final model's evaluations; equal updates: after "
-        "the same optimizer updates; equal rollouts: GRPO read at ExGRPO's generated rollouts"
+        "paired by seed: mean (sd over seeds) [95% t-interval over seeds]; final: the mean of the final model's "
+        "evaluations; equal updates: after the same optimizer updates; equal rollouts: GRPO read at ExGRPO's "
+        "generated rollouts"
     )
     lines = [f"### Step-size sweep: ExGRPO minus GRPO ({axes})", ""]
     lines += [regimes.sweep_markdown(points, old), ""]
     if noise:
         lines += [
-            f"Held-out estimate noise: one final model evaluated with {noise['evaluations_per_run']} sampling seeds "
-            f"varies by {noise['std']:.4f} (standard deviation pooled over {noise['runs']} runs); a difference of two "
-            f"final figures, each the mean of {noise['evaluations_per_run']}, by about {sd:.4f}.",
+            f"Evaluation noise (of fixed models; not the spread between training runs, which the intervals over seeds "
+            f"give): one final model evaluated with {noise['evaluations_per_run']} sampling seeds varies by "
+            f"{noise['std']:.4f} (standard deviation pooled over {noise['runs']} runs); a difference of two final "
+            f"figures, each the mean of {noise['evaluations_per_run']}, by about {sd:.4f}.",
             "",
         ]
     if hard:

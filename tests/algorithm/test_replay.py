@@ -65,6 +65,26 @@ def test_draw_shortlists_by_stored_likelihood():
     assert [t.completion_ids[0] for t in drawn.candidates] == [10, 11, 12, 13]
 
 
+def test_draws_carry_bucket_and_repeat_into_the_plan():
+    # One question in bucket 2 (2 of 4): drawn in three consecutive batches it is a repeat from the second on; with
+    # a reuse limit of 1 it sits out the second batch (nothing drawn: the plan is empty) and is no repeat in the third.
+    buffer = one_question_buffer([0.5])
+    plans = []
+    for _ in range(3):
+        drawn = draw_replay_questions(buffer, 1, trajectory_selection="lowest_entropy", max_candidates=None)
+        plans.append(ReplayPlan.build(drawn, [0] * len(drawn), num_groups=3))
+    assert [(p.buckets, p.repeats, p.repeat_share) for p in plans] == [([2], [False], 0.0), ([2], [True], 1.0)] * 1 + [
+        ([2], [True], 1.0)
+    ]
+    limited = one_question_buffer([0.5])
+    limited.cooldown = 1
+    sizes = []
+    for _ in range(3):
+        drawn = draw_replay_questions(limited, 1, trajectory_selection="lowest_entropy", max_candidates=None)
+        sizes.append([(q.bucket, q.repeat) for q in drawn])
+    assert sizes == [[(2, False)], [], [(2, False)]]
+
+
 def test_draw_random_picks_one_by_the_buffer_generator():
     buffer = one_question_buffer([0.5, 0.125, 0.875, 0.25])
     expected = np.random.default_rng(0)  # the buffer's own generator, seeded 0: same draws in the same order

@@ -168,7 +168,10 @@ def check_batch_records(record: dict, questions: int, k: int) -> None:
         assert b["fresh_groups"] + b["replayed_groups"] == questions and b["replayed_groups"] == replayed
         assert b["replayed_all_fail"] == 0 and b["fresh_all_fail"] + b["fresh_all_pass"] <= b["fresh_groups"]
         assert sum(b["buckets"].values()) == in_buffer and sorted(b["buckets"]) == [str(c) for c in range(1, k)]
+        assert len(b["replayed_buckets"]) == replayed and all(1 <= c < k for c in b["replayed_buckets"])
+        assert 0 <= b["replayed_fresh_all_fail"] <= b["replayed_groups"]
         if replayed:
+            assert 0 <= b["repeat_share"] <= 1
             assert 0 <= b["age"]["mean"] <= b["age"]["max"] <= b["step"]
             w = b["is_weight"]
             assert w["tokens"] > 0 and w["p05"] <= w["mean"] <= w["p95"] and 0 <= w["below_gamma"] <= 1
@@ -182,8 +185,14 @@ def test_group_shares_by_hand():
     rewards = [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0]
     assert study_run.group_shares(rewards, 4, replayed=1) == {
         "fresh_groups": 2, "fresh_all_fail": 1, "fresh_all_pass": 0,
-        "replayed_groups": 1, "replayed_all_fail": 0, "replayed_all_pass": 1,
+        "replayed_groups": 1, "replayed_all_fail": 0, "replayed_all_pass": 1, "replayed_fresh_all_fail": 0,
     }  # fmt: skip
+    # Two replayed groups, K = 4: [1 0 0 0] (the stored success, its 3 generated rows all fail) and [1 0 1 0]
+    # (one generated success): 1 replayed group whose generated rows all fail. Revisited without a stored row
+    # (stored_first=False) the first row is generated too: [1 0 0 0] has a generated success, so 0.
+    rewards = [0.0] * 4 + [1.0, 0.0, 0.0, 0.0] + [1.0, 0.0, 1.0, 0.0]
+    assert study_run.group_shares(rewards, 4, replayed=2)["replayed_fresh_all_fail"] == 1
+    assert study_run.group_shares(rewards, 4, replayed=2, stored_first=False)["replayed_fresh_all_fail"] == 0
     # None (a reward function that had nothing to say) is no success; nothing replayed: every group is fresh
     assert study_run.group_shares([None, 1.0, None, None], 2, replayed=0)["fresh_all_fail"] == 1
 
@@ -207,12 +216,16 @@ def test_batch_record_ages_and_buckets():
 
     buffer = ExperienceBuffer(4)
     buffer.update_group("q", 2, {"prompt": "q"}, [Trajectory([5, 1], [-0.5, -0.25], 3)])  # q: 2 of 4, bucket 2
-    plan = SimpleNamespace(collected_at=[3, 5], with_trajectories=True)
+    plan = SimpleNamespace(collected_at=[3, 5], with_trajectories=True, buckets=[2, 3], repeat_share=0.5)
     # generated at update 9: trajectories collected at updates 3 and 5 are 6 and 4 updates old
     out = study_run.batch_record(9, plan, {"fresh_groups": 1}, buffer)
-    assert out == {"step": 9, "fresh_groups": 1, "buckets": {"1": 0, "2": 1, "3": 0}, "age": {"mean": 5.0, "max": 6}}
-    revisit = SimpleNamespace(collected_at=[3], with_trajectories=False)  # no stored row replayed: no age
-    assert study_run.batch_record(9, revisit, {}, None) == {"step": 9, "buckets": None, "age": None}
+    assert out == {"step": 9, "fresh_groups": 1, "buckets": {"1": 0, "2": 1, "3": 0}, "age": {"mean": 5.0, "max": 6},
+                   "replayed_buckets": [2, 3], "repeat_share": 0.5}  # fmt: skip
+    revisit = SimpleNamespace(collected_at=[3], with_trajectories=False, buckets=[1], repeat_share=0.0)  # no age
+    assert study_run.batch_record(9, revisit, {}, None) == {
+        "step": 9, "buckets": None, "age": None, "replayed_buckets": [1], "repeat_share": 0.0
+    }  # fmt: skip
+    assert study_run.batch_record(9, None, {}, None)["repeat_share"] is None  # nothing replayed
 
 
 def test_hard_point_is_the_paper_point_from_a_weaker_start():

@@ -91,11 +91,19 @@ def test_sweep_pairs_seeds_and_orders_points_by_step_size():
     assert [p["task"] for p in points] == [f"{fam}-b", f"{fam}-a"]  # largest step first
     b, a = points
     assert b["step_size"] == pytest.approx(4e-4 / 64) and a["step_size"] == pytest.approx(1e-4 / 64)
-    assert a["final_updates"] == pytest.approx({"median": 0.02, "min": -0.01, "max": 0.05, "seeds": 2})
+    # two seeds, -0.01 and +0.05: mean 0.02, sd 0.042426, t(0.975, 1) = 12.706: half 12.706 x 0.042426 / sqrt(2)
+    # = 0.38118 -> [-0.36118, 0.40118]
+    final = dict(a["final_updates"])
+    lo, hi = final.pop("ci95")
+    assert (lo, hi) == (pytest.approx(-0.36118, abs=1e-5), pytest.approx(0.40118, abs=1e-5))
+    assert final == pytest.approx({"median": 0.02, "min": -0.01, "max": 0.05, "seeds": 2, "mean": 0.02,
+                                   "sd": 0.0424264})  # fmt: skip
     assert b["final_updates"]["median"] == pytest.approx(-0.03)
     # at equal rollouts: ExGRPO's 1800 against GRPO's curve there, 0.3 + 0.1 x 800 / 1000 = 0.38 (seed 0) and
     # 0.3 + 0.12 x 0.8 = 0.396 (seed 1): +0.07 and +0.014
-    assert a["final_rollouts"] == pytest.approx({"median": 0.042, "min": 0.014, "max": 0.07, "seeds": 2})
+    assert {k: a["final_rollouts"][k] for k in ("median", "min", "max", "seeds", "mean")} == pytest.approx(
+        {"median": 0.042, "min": 0.014, "max": 0.07, "seeds": 2, "mean": 0.042}
+    )
     # at equal updates (2 each), AUC over steps: GRPO seed 0 (0.25 + 0.35) / 2 = 0.30, ExGRPO (0.25 + 0.375) / 2
     assert a["auc_updates"]["max"] == pytest.approx(0.3125 - 0.30)
     # AUC over the first 1800 rollouts (ExGRPO's runs end there). GRPO seed 0: 1000 x 0.25 = 250, then 800 x
@@ -108,8 +116,9 @@ def test_sweep_pairs_seeds_and_orders_points_by_step_size():
     table = regimes.sweep_markdown(points, [])
     assert "| ExGRPO - GRPO final, equal updates | ExGRPO - GRPO final, equal rollouts |" in table
     assert (
-        f"| {fam}-a | 1.6e-6 | 0.0001 | 2 | 0.410 [0.400, 0.420] | 0.430 [0.410, 0.450] | +0.020 [-0.010, +0.050] "
-        "| +0.042 [+0.014, +0.070] |" in table
+        # equal rollouts: +0.07 and +0.014, mean 0.042, sd 0.039598, half 12.706 x 0.039598 / sqrt(2) = 0.35577
+        f"| {fam}-a | 1.6e-6 | 0.0001 | 2 | 0.410 [0.400, 0.420] | 0.430 [0.410, 0.450] | +0.020 (sd 0.042) "
+        "[-0.361, +0.401] | +0.042 (sd 0.040) [-0.314, +0.398] |" in table
     )
 
 
@@ -149,7 +158,7 @@ def test_estimate_noise_pools_the_resampled_evaluations():
 
 
 def test_sweep_and_difficulty_figures_are_written(tmp_path):
-    band = {"median": 0.01, "min": -0.01, "max": 0.02}
+    band = regimes._band([-0.01, 0.01, 0.02])
     point = {"task": "p", "step_size": 1e-6, "never_solved": 0.2, **{key: band for key, _, _ in regimes.COMPARISONS}}
     old = {**point, "task": "old", "step_size": 3e-6}
     regimes.sweep_figure([point], [old], tmp_path / "s.png", noise=0.004)
@@ -191,7 +200,7 @@ def test_difficulty_orders_settings_by_never_solved_and_pairs_arms():
                                                  ("revisit_no_replay", "grpo")]  # fmt: skip
     # revisit (200 rollouts) against ExGRPO (190): revisit's curve at 190, 0.2 + 0.05 x 0.9 = 0.245, minus 0.33
     assert pairs[1]["final_rollouts"]["median"] == pytest.approx(-0.085)
-    assert "| revisit_no_replay - grpo | -0.050 [-0.050, -0.050] |" in regimes.arm_pairs_markdown(pairs)
+    assert "| revisit_no_replay - grpo | -0.050 (1 seed) |" in regimes.arm_pairs_markdown(pairs)
     assert "| hard | 0.50 |" in regimes.difficulty_markdown(points)
 
 
@@ -246,3 +255,22 @@ def test_offline_arms_at_tiny_size_count_offline_rows_as_not_generated(tmp_path,
         assert record["settings"]["arm"]["exgrpo"].get("replay_ratio", 0.5) == replay
         assert [b["offline_rows"] for b in record["batches"]] == [16]
         assert record["steps"]["rollouts"] == [112, 112]
+
+
+def test_t_interval_and_band_by_hand():
+    from lab.study import regimes
+
+    # values -0.01, -0.02, -0.03: mean -0.02, sd = sqrt((0.01^2 + 0 + 0.01^2) / 2) = 0.01, t(0.975, 2) = 4.303:
+    # half-width 4.303 x 0.01 / sqrt(3) = 0.024843 -> [-0.044843, +0.004843]
+    lo, hi = regimes.t_interval([-0.01, -0.02, -0.03])
+    assert lo == pytest.approx(-0.044843, abs=1e-6) and hi == pytest.approx(0.004843, abs=1e-6)
+    band = regimes._band([-0.01, -0.02, -0.03])
+    assert band["mean"] == pytest.approx(-0.02) and band["sd"] == pytest.approx(0.01)
+    assert (band["median"], band["min"], band["max"], band["seeds"]) == (-0.02, -0.03, -0.01, 3)
+    assert regimes._diff(band) == "-0.020 (sd 0.010) [-0.045, +0.005]"
+    # five seeds, t(0.975, 4) = 2.776: values 1..5 have mean 3, sd sqrt(2.5), half 2.776 x sqrt(2.5 / 5) =
+    # 2.776 x 0.707107 = 1.962928
+    lo, hi = regimes.t_interval([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert (lo, hi) == (pytest.approx(3 - 1.962928, abs=1e-6), pytest.approx(3 + 1.962928, abs=1e-6))
+    # one seed: no interval, said so
+    assert regimes.t_interval([0.1]) is None and regimes._diff(regimes._band([0.1])) == "+0.100 (1 seed)"

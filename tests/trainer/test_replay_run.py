@@ -79,10 +79,39 @@ def test_buffer_grows_and_metrics_logged(replay_run):
     } | {f"exgrpo/buffer/bucket_{b}" for b in range(1, 8)}
     assert expected <= set(history[-1]), expected - set(history[-1])
     assert history[-1]["exgrpo/replay/fraction"] == 0.5
+    # repeat share: per batch, the share of its replayed questions that the previous batch replayed too; fresh
+    # all-fail: the share of the batch's fresh groups with no solved row
+    previous: set = set()
+    for batch in replay_run.batches:
+        plan = batch["plan"]
+        keys = plan.keys if plan is not None else []
+        if plan is not None:
+            assert plan.repeats == [key in previous for key in keys]
+        previous = set(keys)
+    assert 0.0 <= history[-1]["exgrpo/replay/repeat_share"] <= 1.0
+    assert 0.0 <= history[-1]["exgrpo/batch/fresh_all_fail"] <= 1.0
     assert history[-1]["exgrpo/buffer/questions"] == sum(history[-1][f"exgrpo/buffer/bucket_{b}"] for b in range(1, 8))
     # the completions table marks the replayed rows
     marks = replay_run._logs["extra"][REPLAYED_COLUMN]
     assert sum(bool(m) for m in marks) >= 2 and len(marks) == len(replay_run._logs["prompt"])
+
+
+def test_reuse_limit_in_a_run(tmp_path, tokenizer):
+    """replay_cooldown=1: a question replayed in one generation batch is never replayed in the next one, and a batch
+    with fewer eligible questions than floor(rho * groups) replays fewer groups (the rest fresh). Resume is covered
+    by the buffer's state (tests/algorithm/test_buffer.py) and the resume suites."""
+    trainer = run(tmp_path, tokenizer, max_steps=8, replay_cooldown=1)
+    previous: set = set()
+    replayed = 0
+    for batch in trainer.batches:
+        plan = batch["plan"]
+        keys = set(plan.keys) if plan is not None else set()
+        assert not keys & previous, keys & previous
+        assert len(keys) <= min(batch["before"]["questions"], 2)
+        replayed += len(keys)
+        previous = keys
+    assert replayed >= 3
+    assert trainer.experience_buffer.cooldown == 1 and trainer.experience_buffer.draws == len(trainer.batches)
 
 
 def test_behaviour_logps_are_the_generating_policys(tmp_path, tokenizer):
