@@ -27,6 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, default=Path(DEFAULT_CACHE), help="warm starts and run logs")
     p.add_argument("--jobs", type=int, default=2, help="runs trained at a time (default 2, one thread each)")
     p.add_argument("--report-only", action="store_true", help="train nothing: tables and figure from saved runs")
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="train nothing: the over-fitting control (GRPO's final model on each run's most replayed and matched "
+        "never-replayed questions), written to RESULTS/control.md",
+    )
     p.add_argument("--quick", action="store_true", help="a smoke study in seconds: " + str(QUICK))
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
@@ -61,6 +67,11 @@ def main(argv: list[str] | None = None) -> int:
                 str(args.cache_dir),
                 str(Path(args.cache_dir) / "study-trainer"),
             )
+        return 0
+    if args.control:
+        from .control import write_control
+
+        print(write_control(args.results, str(args.cache_dir), tasks))
         return 0
     names = [t for t in args.tasks.split(",") if t]
     arms = [a for a in args.arms.split(",") if a]

@@ -276,6 +276,8 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
             "warm_start": _evaluation(task, warm, tokenizer, probe_set, seed),
             "final": _evaluation(task, trainer.model, tokenizer, probe_set, seed),
         }
+    control = overfitting_control(task, warm, trainer.model, tokenizer, train_set, replay_counts, seed)
+    save_final_model(trainer.model, final_model_path(cache_dir, task.name, arm_name, seed))
     histogram = Counter(replay_counts.values())
     # The held-out estimate's own noise: the final model evaluated again with other sampling seeds.
     resampled = [
@@ -299,6 +301,7 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
             "histogram": {str(c): n for c, n in sorted(histogram.items())},
         },
         "probes": probes,
+        "control": control,
         "questions": {
             "pool": len(train_set),
             "seen": len(seen),
@@ -315,6 +318,80 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
     _write_atomic(out_path, json.dumps(record, separators=(",", ":")) + "\n")
     shutil.rmtree(kwargs["output_dir"], ignore_errors=True)  # the run's checkpoints: the record is saved
     return record
+
+
+CONTROL_CANDIDATES = 800  # never-replayed training questions scored at the warm start, to match the replayed ones from
+
+
+def final_model_path(cache_dir: str | Path, task: str, arm: str, seed: int) -> Path:
+    """Where a run keeps its final model (safetensors, about 4 MB) for the over-fitting control (`study.control`)."""
+    return Path(cache_dir) / "final-models" / f"{task}-{arm}-seed{seed}"
+
+
+def save_final_model(model, path: Path) -> None:
+    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp))
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def matched_questions(replayed: list[tuple[str, Any, float]], candidates: list[tuple[str, Any, float]]) -> list[str]:
+    """For each replayed question (key, difficulty, warm-start pass rate), in order, the unused candidate of the same
+    difficulty whose warm-start pass rate is nearest (ties: the earlier candidate); a replayed question with no
+    candidate of its difficulty left gets none."""
+    used: set[str] = set()
+    out = []
+    for _, difficulty, rate in replayed:
+        best = None
+        for key, d, r in candidates:
+            if d != difficulty or key in used:
+                continue
+            if best is None or abs(r - rate) < abs(best[2] - rate):
+                best = (key, d, r)
+        if best is not None:
+            used.add(best[0])
+            out.append(best[0])
+    return out
+
+
+def overfitting_control(
+    task: Task, warm, final, tokenizer, train_set, replay_counts: Counter, seed: int
+) -> dict | None:
+    """The run's `PROBE_QUESTIONS` most replayed training questions, and as many never-replayed ones matched to them
+    by difficulty and warm-start pass rate (from `CONTROL_CANDIDATES` drawn with the run's seed): their keys and the
+    warm start's and this run's final pass@1 on each set. Another run's final model (GRPO's, same seed) is scored on
+    the same two sets by `lab.study.control`: a rise on the replayed set that the matched set or GRPO shows too is not
+    replay's doing. None when nothing was replayed."""
+    import random
+
+    from datasets import Dataset
+
+    if not replay_counts:
+        return None
+    rows = _rows_by_key(train_set)
+    top = [key for key, _ in replay_counts.most_common(PROBE_QUESTIONS) if key in rows]
+    never = sorted(key for key in rows if key not in replay_counts)
+    pool = random.Random(seed).sample(never, min(CONTROL_CANDIDATES, len(never)))
+
+    def rates(model, keys):
+        return task.evaluate(model, tokenizer, Dataset.from_list([rows[k] for k in keys]), task.eval_samples, seed)
+
+    warm_top, warm_pool = rates(warm, top)["per_question"], rates(warm, pool)["per_question"]
+    diff = task.difficulty
+    matched = matched_questions(
+        [(k, rows[k].get(diff), r) for k, r in zip(top, warm_top)],
+        [(k, rows[k].get(diff), r) for k, r in zip(pool, warm_pool)],
+    )
+    warm_by_key = dict(zip(pool, warm_pool))
+    return {
+        "replayed": top,
+        "matched": matched,
+        "warm_start": {"replayed": _r(statistics.fmean(warm_top)),
+                       "matched": _r(statistics.fmean(warm_by_key[k] for k in matched)) if matched else None},
+        "final": {"replayed": _r(rates(final, top)["overall"]),
+                  "matched": _r(rates(final, matched)["overall"]) if matched else None},
+    }  # fmt: skip
 
 
 def group_shares(rewards: list, k: int, replayed: int, stored_first: bool = True) -> dict[str, float]:

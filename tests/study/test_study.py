@@ -79,6 +79,21 @@ def test_killed_run_resumes_from_its_checkpoint_to_the_same_record(tmp_path):
     assert sum(straight["steps"]["replayed"]) > 0 and straight["resumed_at"] == []
     assert not workdir.exists()  # a finished run's checkpoints are deleted
     check_batch_records(straight, questions=16, k=8)
+    # the over-fitting control: the most replayed questions and never-replayed ones matched to them, and the final
+    # model kept; scored with this run's own final model in GRPO's place, the control's GRPO column must equal the
+    # run's own final figures (same model, same questions, same sampling seed)
+    control = straight["control"]
+    assert control["replayed"] and 0 < len(control["matched"]) <= len(control["replayed"])
+    assert not set(control["matched"]) & set(control["replayed"])
+    kept = study_run.final_model_path(cache, "countdown-weak", "exgrpo", 0)
+    assert (kept / "model.safetensors").is_file()
+    shutil.copytree(kept, study_run.final_model_path(cache, "countdown-weak", "grpo", 0))
+    from lab.study import control as study_control
+
+    tasks = study.build_tasks(True, study.parse_overrides(["steps=6", "warm_start_steps=150"]))
+    (row,) = study_control.control_rows(tmp_path / "straight", str(cache), tasks)
+    assert (row["arm"], row["seed"], row["grpo_final"]) == ("exgrpo", 0, control["final"])
+    assert "| countdown-weak | exgrpo | 0 |" in study_control.control_markdown([row])
 
     # killed from outside as soon as update 3's checkpoint holds the study's state
     proc = subprocess.Popen(command("killed"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
@@ -178,6 +193,15 @@ def check_batch_records(record: dict, questions: int, k: int) -> None:
         else:
             assert b["age"] is None and b["is_weight"] is None
     assert any(b["replayed_groups"] for b in batches)
+
+
+def test_matched_questions_by_hand():
+    # replayed (key, difficulty, warm pass rate), most replayed first: a (2, 0.5), b (2, 0.5), c (3, 0.1), d (4, 0.0)
+    # candidates: x (2, 0.45), y (2, 0.9), z (3, 0.2), w (3, 0.1). a takes x (|0.05| beats |0.4|), b the one left of
+    # difficulty 2, y; c takes w (exact); d has no candidate of difficulty 4: none
+    replayed = [("a", 2, 0.5), ("b", 2, 0.5), ("c", 3, 0.1), ("d", 4, 0.0)]
+    candidates = [("x", 2, 0.45), ("y", 2, 0.9), ("z", 3, 0.2), ("w", 3, 0.1)]
+    assert study_run.matched_questions(replayed, candidates) == ["x", "y", "w"]
 
 
 def test_group_shares_by_hand():
