@@ -1,7 +1,7 @@
 # `make demo` and `make test` each set up their own virtual environment on first use.
-# On a CPU machine torch is installed first, on its own, so that nothing pulls CUDA wheels:
-#   - this workplace's pip finds a local CPU build of torch==2.13.0;
-#   - elsewhere, pass the CPU index: make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# torch is installed first, on its own (scripts/install_torch.sh): on a machine without an NVIDIA GPU its CPU build,
+# from PyTorch's CPU index, so that nothing pulls several GB of CUDA wheels; TORCH_INDEX=URL names another index,
+# TORCH_INDEX=default takes the default index's build.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -18,7 +18,7 @@ VLLM_PYTEST := EXGRPO_VLLM_TESTS=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm 
 $(STAMP): pyproject.toml requirements/cpu.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	TORCH_SPEC="$(TORCH_SPEC)" TORCH_INDEX="$(TORCH_INDEX)" bash scripts/install_torch.sh $(PY)
 	$(PY) -m pip install --quiet -r requirements/cpu.lock
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)

