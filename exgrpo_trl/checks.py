@@ -151,7 +151,32 @@ def check_offline_arguments(params: dict[str, Any]) -> None:
     columns = getattr(dataset, "column_names", None)
     if dataset is None or (columns is not None and column not in columns):
         have = ", ".join(columns or []) or "no train_dataset"
-        raise ValueError(f"offline_solutions_column {column!r} is not a column of the train_dataset ({have})")
+        raise ValueError(
+            f"offline_solutions_column {column!r} is not a column of the train_dataset ({have}); `exgrpo train` keeps "
+            "it by itself, a dataset of your own must hold it"
+        )
+
+
+def check_chat_template(params: dict[str, Any]) -> None:
+    """Chat-message prompts need a chat template: without one GRPOTrainer fails at the first step with transformers'
+    "Cannot use chat template functions" after the model has loaded. Checked on the first training row of a dataset
+    that can be indexed, when a tokenizer is given (a processor, or none, is left to TRL)."""
+    tokenizer, dataset = params.get("processing_class"), params.get("train_dataset")
+    if tokenizer is None or not hasattr(tokenizer, "chat_template") or hasattr(tokenizer, "tokenizer"):
+        return
+    if getattr(tokenizer, "chat_template", None) or dataset is None or not hasattr(dataset, "__getitem__"):
+        return
+    try:
+        prompt = dataset[0]["prompt"] if len(dataset) else None
+    except (KeyError, IndexError, TypeError):
+        return
+    if isinstance(prompt, list):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ValueError(
+            f"the train_dataset's prompts are chat messages (`exgrpo train` builds them from a 'question' or "
+            f"'problem' column), but the tokenizer {name} has no chat template: use a tokenizer with one, or "
+            "plain-text prompts"
+        )
 
 
 def check_arguments(params: dict[str, Any]) -> None:
@@ -181,6 +206,7 @@ def check_arguments(params: dict[str, Any]) -> None:
     if "image" in columns or "images" in columns:
         raise NotImplementedError(IMAGE_INPUTS)
     check_prompt_column(params.get("train_dataset"), "train_dataset")
+    check_chat_template(params)
     check_offline_arguments(params)
     eval_dataset = params.get("eval_dataset")
     for name, dataset in eval_dataset.items() if isinstance(eval_dataset, dict) else [("", eval_dataset)]:

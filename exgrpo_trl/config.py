@@ -164,8 +164,9 @@ class ExGRPOConfig(GRPOConfig):
             "the export's tokenizer the trajectories keep their token ids and behaviour log-probs; with another, "
             "their text is tokenized again and they count as offline (behaviour log-prob 0). Trajectories longer "
             "than max_completion_length are left out; an export of another num_generations is an error. A run "
-            "resumed from an ExGRPO checkpoint takes the checkpoint's buffer instead. None (default): the buffer "
-            "starts empty."
+            "resumed from an ExGRPO checkpoint takes the checkpoint's buffer instead. The seeded questions are "
+            "replayed once the delayed start fires (replay_start_pass_rate: 0 replays them from the first batch). "
+            "None (default): the buffer starts empty."
         },
     )
 

@@ -85,10 +85,12 @@ class GenerationBatch:
 
 @contextlib.contextmanager
 def quiet_checkpointing_deprecation():
-    """TRL's `disable_gradient_checkpointing` reads the model's `is_gradient_checkpointing`, which transformers 5
-    deprecates: a FutureWarning about TRL's code at every entropy-scoring pass, whether checkpointing is on or off."""
+    """TRL 1.16's generation and `disable_gradient_checkpointing` call the model's `is_gradient_checkpointing`,
+    `gradient_checkpointing_disable` and `_enable`, which transformers 5 deprecates: FutureWarnings about TRL's code
+    (not the user's) at every generation and entropy-scoring pass, whether checkpointing is on or off."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        deprecated = r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated"
+        warnings.filterwarnings("ignore", message=deprecated, category=FutureWarning)
         yield
 
 
@@ -148,6 +150,7 @@ class ExGRPOTrainer(GRPOTrainer):
     ``_save_checkpoint``                  write a checkpoint                         the buffer saved first; our own
                                                                                      rotation
     ``_load_optimizer_and_scheduler``     restore a checkpoint                       the buffer and switches restored
+    ``_issue_warnings_after_load``        report keys a checkpoint lacks             tied weights are not "missing"
     ``_run_epoch``                        train one epoch                            nothing past ``max_steps``
     ``create_model_card``                 write the model card                       an ExGRPO section
     ``log``                               write one log row                          every ExGRPO metric on every
@@ -280,7 +283,8 @@ class ExGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------ generation
     def _generate_and_score_completions(self, inputs):
         if not self.model.training:  # evaluation never replays and never collects
-            return super()._generate_and_score_completions(inputs)
+            with quiet_checkpointing_deprecation():
+                return super()._generate_and_score_completions(inputs)
 
         self._exgrpo_flush()  # normally already done after the first loss pass; a no-op then
         plan = self.last_replay_plan = self._exgrpo_make_plan(len(inputs))
@@ -291,7 +295,8 @@ class ExGRPOTrainer(GRPOTrainer):
         batch = self._exgrpo_batch = GenerationBatch(plan, rows)
         try:
             # copies: TRL adds a rollout function's fields to the rows it is given, and the buffer keeps the dataset's
-            output = super()._generate_and_score_completions([dict(x) for x in rows.inputs])
+            with quiet_checkpointing_deprecation():
+                output = super()._generate_and_score_completions([dict(x) for x in rows.inputs])
         finally:
             self._exgrpo_batch = None
         self._exgrpo_after_scoring(batch, output)
@@ -817,6 +822,17 @@ class ExGRPOTrainer(GRPOTrainer):
         )
         with open(path, "w", encoding="utf-8") as f:
             f.write(add_section(card, section))
+
+    def _issue_warnings_after_load(self, load_result):
+        # A model with tied embeddings saves one of the tied tensors (safetensors keeps no aliases); transformers then
+        # reports the other as missing on every resume (['lm_head.weight']), which reads like damage. Keys that name
+        # a tensor another loaded parameter shares are left out; any other missing key is still reported.
+        names_of: dict[int, list[str]] = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            names_of.setdefault(param.data_ptr(), []).append(name)
+        tied = {name for names in names_of.values() if len(names) > 1 for name in names}
+        missing = [key for key in load_result.missing_keys if key not in tied]
+        return super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)  # under DeepSpeed it returns early; we still run

@@ -45,6 +45,7 @@ from ..state import StateFileError
 from ..tasks.math_data import filter_long_prompts, load_math_dataset
 from ..tasks.rewards import REWARD_FUNCS, get_reward_funcs
 from ..utils.requirements import require
+from ..utils.threads import limit_cpu_threads
 from ..utils.tokenizer import load_tokenizer
 from . import precheck
 
@@ -461,6 +462,13 @@ class Interrupted(Exception):
         return f"interrupted at step {self.step}{of}; {then}"
 
 
+def data_columns(keep_columns: list[str], training_args: ExGRPOConfig) -> list[str]:
+    """The dataset columns kept beside prompt and answer: `keep_columns`, and the offline solutions' column, which
+    offline guidance reads from the training rows (a user need not list it twice)."""
+    column = training_args.offline_solutions_column
+    return [*keep_columns, column] if column and column not in keep_columns else list(keep_columns)
+
+
 def model_init_kwargs(model_args: ModelConfig, training_args: ExGRPOConfig) -> dict:
     """``from_pretrained`` kwargs for the policy, from `ModelConfig`; explicit ``model_init_kwargs`` win."""
     kwargs = {
@@ -561,6 +569,10 @@ def _train_in(script_args: ScriptArguments, training_args: ExGRPOConfig, model_a
 
     _setup_logging(training_args)
     transformers.set_seed(training_args.seed)
+    if training_args.use_cpu or not torch.cuda.is_available():
+        # two torch threads on a busy 2-core machine are 5-17 times slower than one (utils/threads.py)
+        threads = limit_cpu_threads()
+        logger.info("CPU run: %d torch thread%s (OMP_NUM_THREADS sets more)", threads, "" if threads == 1 else "s")
 
     checkpoint = resolve_checkpoint(training_args)
     complete = already_complete(training_args, checkpoint)
@@ -581,7 +593,7 @@ def _train_in(script_args: ScriptArguments, training_args: ExGRPOConfig, model_a
         question_column=script_args.question_column,
         answer_column=script_args.answer_column,
         system_prompt=script_args.system_prompt,
-        keep_columns=script_args.keep_columns,
+        keep_columns=data_columns(script_args.keep_columns, training_args),
         num_proc=script_args.dataset_num_proc,
     )
     # Rank 0 prepares (and caches) the data first; the other ranks then read the cache.

@@ -10,9 +10,11 @@ theirs sets OMP_NUM_THREADS (or --threads where a command has it).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
-__all__ = ["default_cpu_threads"]
+__all__ = ["cpu_threads", "default_cpu_threads", "limit_cpu_threads"]
 
 
 def default_cpu_threads() -> int:
@@ -21,3 +23,25 @@ def default_cpu_threads() -> int:
         return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
     except ValueError:
         return 1
+
+
+def limit_cpu_threads(threads: int | None = None) -> int:
+    """Set torch's CPU threads to `threads` (default: `default_cpu_threads`) for the rest of the process; returns it.
+    The CPU quick start and `exgrpo train` on a CPU call it, as the tiny builder and the demo do."""
+    import torch
+
+    n = max(1, threads if threads is not None else default_cpu_threads())
+    torch.set_num_threads(n)
+    return n
+
+
+@contextlib.contextmanager
+def cpu_threads(threads: int | None = None) -> Iterator[int]:
+    """`limit_cpu_threads` for the duration of a block (the toy warm start), then torch's thread count as it was."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        yield limit_cpu_threads(threads)
+    finally:
+        torch.set_num_threads(before)

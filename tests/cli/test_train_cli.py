@@ -321,3 +321,40 @@ def test_a_run_that_fails_before_training_leaves_no_output_folder(tmp_path, toy_
     (out / "notes.txt").write_text("mine")
     assert main(argv) == 1
     assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_offline_solutions_column_is_kept_without_keep_columns(tmp_path, toy_dir, capsys):
+    """`--offline_solutions_column solution` alone trains: the column reaches the dataset (it used to fail unless it
+    was also in keep_columns, with an error that did not say so)."""
+    from exgrpo_trl.cli import main
+    from exgrpo_trl.cli.train import data_columns
+
+    rows = [json.loads(line) for line in (toy_dir / "train.jsonl").read_text().splitlines()][:16]
+    data = tmp_path / "with_solutions.jsonl"
+    data.write_text("".join(json.dumps({**r, "solution": r["answer"]}) + "\n" for r in rows))
+    out = tmp_path / "out"
+    argv = ["train", *toy_recipe_args(toy_dir, out), "--dataset_name", str(data), "--offline_solutions_column",
+            "solution", "--max_steps", "1", "--save_strategy", "no", "--per_device_train_batch_size", "16",
+            "--generation_batch_size", "16", "--logging_steps", "1"]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err[-2000:]
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert any("exgrpo/offline/groups" in e for e in state["log_history"])
+    _, args, _ = parse_args(["--config", str(TINY_RECIPE), "--offline_solutions_column", "solution"])
+    assert data_columns(["digits"], args) == ["digits", "solution"]
+    assert data_columns(["digits", "solution"], args) == ["digits", "solution"]
+
+
+def test_chat_prompts_without_a_chat_template_fail_in_one_line_before_training(tmp_path, toy_dir, capsys):
+    """A 'question' column becomes a system prompt and a chat turn; the toy tokenizer has no chat template, which
+    used to fail at the first step with transformers' own error. Now: one line, before the model trains."""
+    from exgrpo_trl.cli import main
+
+    data = tmp_path / "questions.jsonl"
+    rows = [{"question": f"{i}+{i}=", "answer": str(2 * i), "digits": 1} for i in range(8)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out"
+    argv = ["train", *toy_recipe_args(toy_dir, out), "--dataset_name", str(data)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "has no chat template" in err and "'question' or 'problem'" in err
+    assert "Traceback" not in err and not (out / "trainer_state.json").exists()

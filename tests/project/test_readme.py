@@ -49,14 +49,14 @@ def test_cpu_path_commands_work(tmp_path, monkeypatch, capsys):
     from exgrpo_trl.utils import tiny as toy
 
     build, train, inspect = cpu_path_commands()
-    assert build == "python -m exgrpo_trl.utils.tiny --out outputs/tiny-toy --num-heads 4 --warm-start-steps 1500"
+    assert build == "python -m exgrpo_trl.utils.tiny --out outputs/tiny-toy --num-heads 4 --warm-start-steps 2000"
     assert train == "exgrpo train --config recipes/tiny_cpu.yaml"
     assert inspect == "exgrpo inspect outputs/exgrpo-tiny-cpu/checkpoint-300"
     _copy_recipe(tmp_path)
     monkeypatch.chdir(tmp_path)
 
     assert toy.main([*shlex.split(build)[3:-1], "3", "--no-progress"]) == 0
-    fast = ["--max_steps", "2", "--save_steps", "2", "--replay_start_pass_rate", "0", "--disable_tqdm", "true"]
+    fast = ["--max_steps", "2", "--save_steps", "2", "--disable_tqdm", "true"]  # the recipe replays from the start
     assert cli.main([*shlex.split(train)[1:], *fast]) == 0
     out = capsys.readouterr().out
     output_dir = tmp_path / "outputs" / "exgrpo-tiny-cpu"

@@ -244,3 +244,42 @@ def test_save_steps_inside_generation_batches_are_named(settings, every, tmp_pat
 
 def test_save_steps_of_other_strategies_are_not_judged(tmp_path):
     assert save_steps_inside_generation_batches(ExGRPOConfig(**config_kwargs(tmp_path, save_steps=3))) is None
+
+
+def test_resume_does_not_report_tied_weights_as_missing(tmp_path, tokenizer):
+    """The tiny model ties its embeddings; the checkpoint holds one of the two names, and transformers used to log
+    "There were missing keys in the checkpoint model loaded: ['lm_head.weight']" on every resume."""
+    seen: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    def trainer(max_steps):
+        args = ExGRPOConfig(**config_kwargs(tmp_path, max_steps=max_steps, save_strategy="steps", save_steps=1))
+        return ExGRPOTrainer(model=make_model(tokenizer), reward_funcs=make_reward(tokenizer), args=args,
+                             train_dataset=synthetic_dataset(), processing_class=tokenizer)  # fmt: skip
+
+    model = make_model(tokenizer)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
+    trainer(1).train()
+    handler = Collect(level=logging.WARNING)
+    logger = logging.getLogger("transformers.trainer")
+    logger.addHandler(handler)
+    try:
+        resumed = trainer(2)
+        resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    finally:
+        logger.removeHandler(handler)
+    assert not [m for m in seen if "missing keys" in m], seen
+    assert resumed.state.global_step == 2
+    # a key that is really missing is still reported
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    resumed._issue_warnings_after_load(_IncompatibleKeys(["lm_head.weight", "model.norm.weight"], []))
+    logger.addHandler(handler)
+    try:
+        resumed._issue_warnings_after_load(_IncompatibleKeys(["lm_head.weight", "model.norm.weight"], []))
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["There were missing keys in the checkpoint model loaded: ['model.norm.weight']."]

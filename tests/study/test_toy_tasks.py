@@ -366,9 +366,29 @@ def test_char_tokenizer_alphabet_argument():
 
 
 def test_pass_at_1_line_by_hand():
-    above = toy.pass_at_1_line({"overall": 0.5, "by_digits": {1: 0.9, 2: 0.1}})
+    above = toy.pass_at_1_line({"overall": 0.5, "by_digits": {1: 0.9, 2: 0.1}, "per_question": [0.9, 0.1]})
     assert above == (
-        "held-out pass@1 0.500 (1 digit 0.90, 2 digits 0.10; 8 samples a question): above the delayed start's 0.35: "
-        "replay switches on within the first batches"
+        "training-mix pass@1 0.500 (1 digit 0.90, 2 digits 0.10; the first 2 questions of train.jsonl, 8 samples "
+        "each; what the delayed start reads): above the paper's delayed start 0.35: with it, replay switches on "
+        "within the first batches"
     )
-    assert "replay_start_pass_rate: 0" in toy.pass_at_1_line({"overall": 0.35, "by_digits": {}})  # not above
+    below = toy.pass_at_1_line({"overall": 0.35, "by_digits": {}, "per_question": []})  # not above
+    assert "replay_start_pass_rate: 0, as recipes/tiny_cpu.yaml does" in below
+
+
+def test_the_builder_judges_the_delayed_start_on_the_training_mix(tmp_path, capsys):
+    """The training file leans to 3- and 4-digit sums (there are only 100 one-digit sums, and the held-out file takes
+    its share first), while eval.jsonl is balanced; the delayed start reads training batches. The builder's verdict
+    used to come from the balanced held-out set (0.39 there, 0.19-0.29 in training batches)."""
+    from collections import Counter
+
+    train, eval_ = toy.addition_splits(2000, 200, seed=0)
+    assert Counter(train["digits"]) == {1: 48, 2: 629, 3: 644, 4: 679}  # the recipe's train.jsonl
+    assert Counter(eval_["digits"]) == {1: 52, 2: 44, 3: 55, 4: 49}  # uniform draws over the digit classes
+    mix = toy.training_mix(train)
+    assert mix["prompt"] == train["prompt"][: toy.TRAINING_MIX_QUESTIONS]
+    assert Counter(mix["digits"])[1] < Counter(mix["digits"])[4]  # the file's lean, not the held-out balance
+    assert toy.main(["--out", str(tmp_path / "toy"), "--n-train", "40", "--n-eval", "8", "--no-progress"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].startswith("held-out pass@1 ") and "8 questions, balanced" in lines[-2]
+    assert lines[-1].startswith("training-mix pass@1 ") and "the first 40 questions of train.jsonl" in lines[-1]
