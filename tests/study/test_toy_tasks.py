@@ -212,10 +212,11 @@ def test_model_dir_loads_with_auto_classes(tmp_path):
 
 def test_module_cli_writes_model_and_jsonl(tmp_path, capsys):
     assert toy.main(["--out", str(tmp_path), "--n-train", "40", "--n-eval", "12", "--no-progress"]) == 0
-    # it says the held-out pass@1 the folder's model reached, and what that means for replay (an untrained model:
-    # 0, below the delayed start; it never printed one, and below 0.35 replay never starts)
-    last = capsys.readouterr().out.splitlines()[-1]
-    assert last.startswith("held-out pass@1 0.000 (") and "not above the delayed start's 0.35" in last, last
+    # it says the pass@1 the folder's model reached, held-out and on the training file's mix, and what the latter
+    # means for a delayed start (an untrained model: 0, below the paper's 0.35)
+    held_out, last = capsys.readouterr().out.splitlines()[-2:]
+    assert held_out.startswith("held-out pass@1 0.000 (") and "12 questions, balanced" in held_out, held_out
+    assert last.startswith("training-mix pass@1 0.000 (") and "not above the paper's delayed start 0.35" in last, last
     train = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
     eval_ = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
     assert len(train) == 40 and len(eval_) == 12
