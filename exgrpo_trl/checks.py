@@ -59,7 +59,7 @@ def replay_never_fires(cfg: ExGRPOConfig) -> str | None:
 
     With TRL's default batch shape (8 rows, K = 8: one question per generation batch) n_exp = floor(rho * 1) = 0 at
     every step: nothing is ever replayed, and ExGRPOTrainer trains GRPO with retirement."""
-    if not cfg.replay_ratio:
+    if not cfg.replays:
         return None
     groups = cfg.generation_batch_size // cfg.num_generations  # questions per generation batch, all ranks together
     if replay_count(groups, cfg.replay_ratio, groups) > 0:

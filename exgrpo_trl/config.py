@@ -181,6 +181,16 @@ class ExGRPOConfig(GRPOConfig):
         },
     )
 
+    @property
+    def replays(self) -> bool:
+        """Whether this config replays at all (replay_ratio > 0); False trains exactly like GRPOTrainer."""
+        return self.replay_ratio > 0
+
+    @property
+    def skips_retired(self) -> bool:
+        """Whether retired questions are left out when fresh questions are drawn (from the next epoch on)."""
+        return self.skip_retired_questions and (self.replays or self.skip_retired_without_replay)
+
     @classmethod
     def from_grpo_config(cls, config: GRPOConfig, **exgrpo_fields) -> ExGRPOConfig:
         """An `ExGRPOConfig` that trains like `config` (every GRPOConfig setting, batch sizes included), with

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -76,3 +77,73 @@ def aggregate_token_loss(
 SUPPORTED_LOSS_TYPES = ("grpo", "sapo", "bnpo", "dr_grpo", "cispo", "dapo", "vespo", "luspo")
 # The loss types whose fresh tokens TRL clips PPO-style, clamp(r, 1 - epsilon_low, 1 + epsilon_high).
 PPO_CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+@dataclass
+class ReplayTokenStats:
+    """One rank's sums over a micro-batch's replayed tokens (offline tokens apart) and over its offline tokens, for
+    the logged figures: each field a 0-d tensor. `as_row` lays them out for one gather over the ranks (every rank the
+    same 9 figures, offline guidance on or off), `figures` turns the gathered rows into the logged means."""
+
+    weight_sum: torch.Tensor  # sum of w over replayed tokens
+    shaped_sum: torch.Tensor  # sum of f(w)
+    count: torch.Tensor  # replayed tokens
+    weight_max: torch.Tensor  # max w (0 with no replayed token)
+    loss: torch.Tensor  # the replayed-token term of this rank's loss
+    below_gamma: torch.Tensor  # replayed tokens with w < gamma (0 without shaping)
+    offline_weight_sum: torch.Tensor  # sum of pi_theta over offline tokens (their w: behaviour log-prob 0)
+    offline_shaped_sum: torch.Tensor  # sum of f(pi_theta)
+    offline_count: torch.Tensor  # offline tokens
+
+    @classmethod
+    def of(
+        cls,
+        w: torch.Tensor,
+        shaped: torch.Tensor,
+        token_mask: torch.Tensor,
+        offline_mask: torch.Tensor | None,
+        loss: torch.Tensor,
+        gamma: float | None,
+    ) -> ReplayTokenStats:
+        """From the (B, T) weights w and f(w), the boolean masks of replayed and of offline tokens (None: no offline
+        guidance) and the term's loss."""
+        weights = w[token_mask]
+        zero = w.new_tensor(0.0)
+        offline = (
+            (w[offline_mask].sum(), shaped[offline_mask].sum(), offline_mask.sum().to(w.dtype))
+            if offline_mask is not None
+            else (zero, zero, zero)
+        )
+        return cls(
+            weights.sum(),
+            shaped[token_mask].sum(),
+            token_mask.sum().to(w.dtype),
+            weights.max() if token_mask.any() else zero,
+            loss.detach(),
+            (weights < gamma).sum().to(w.dtype) if gamma is not None else zero,
+            *offline,
+        )
+
+    def as_row(self) -> torch.Tensor:
+        """(9,) float32, in field order."""
+        return torch.stack([getattr(self, f.name) for f in fields(self)]).float()
+
+    @staticmethod
+    def figures(rows: torch.Tensor, gamma: float | None) -> dict[str, float]:
+        """The logged figures from every rank's `as_row` ((world, 9), on the host): token means over all ranks, the
+        max over ranks, the loss averaged over ranks; a mean whose tokens number 0 is left out."""
+        col = {f.name: rows[:, i] for i, f in enumerate(fields(ReplayTokenStats))}
+        out: dict[str, float] = {}
+        offline = col["offline_count"].sum().item()
+        if offline > 0:  # w of an offline token is pi_theta itself
+            out["offline/token_prob_mean"] = col["offline_weight_sum"].sum().item() / offline
+            out["offline/shaped_weight_mean"] = col["offline_shaped_sum"].sum().item() / offline
+        count = col["count"].sum().item()
+        if count > 0:
+            out["replay/is_weight_mean"] = col["weight_sum"].sum().item() / count
+            out["replay/is_weight_max"] = col["weight_max"].max().item()
+            out["replay/shaped_weight_mean"] = col["shaped_sum"].sum().item() / count
+            if gamma is not None:  # the tokens whose weight the shaping holds near 0 (f(w) < 1/2)
+                out["replay/is_weight_below_gamma"] = col["below_gamma"].sum().item() / count
+        out["replay/loss"] = col["loss"].mean().item()
+        return out

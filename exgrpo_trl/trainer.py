@@ -27,7 +27,7 @@ from .checkpoints import remove_state_leftovers, restore_state, rotate_checkpoin
 from .checks import check_arguments, check_built, threshold_mismatch
 from .config import ExGRPOConfig
 from .export import read_export_meta, seed_buffer, tokenizer_fingerprint
-from .loss import aggregate_token_loss, shaped_replay_token_loss
+from .loss import ReplayTokenStats, aggregate_token_loss, shaped_replay_token_loss
 from .offline import OfflineGuide, offline_rows
 from .replay import (
     BatchOutcome,
@@ -268,9 +268,7 @@ class ExGRPOTrainer(GRPOTrainer):
         # Always wrapped, so that where the sampler is in its epochs is saved with checkpoints (a resume in a later
         # epoch draws that epoch's order); with nothing to skip it yields exactly TRL's sampler's indices.
         sampler = super()._get_train_sampler(dataset)
-        skip = self.args.skip_retired_questions and (
-            self.args.replay_ratio > 0 or self.args.skip_retired_without_replay
-        )
+        skip = self.args.skips_retired
         dataset = self.train_dataset if dataset is None else dataset
         retired = self.experience_buffer.retired if skip else set()
         sampler = SkipRetiredSampler(sampler, lambda: dataset["prompt"], retired)
@@ -427,7 +425,7 @@ class ExGRPOTrainer(GRPOTrainer):
         the lowest (or highest) mean entropy under the current policy among its candidates (algorithm §5-6)."""
         cfg: ExGRPOConfig = self.args
         num_groups = num_local * self.accelerator.num_processes // self.num_generations
-        if not (self.exgrpo_state["replay_active"] and cfg.replay_ratio > 0):
+        if not (self.exgrpo_state["replay_active"] and cfg.replays):
             return None
         drawn = None
         if self.accelerator.is_main_process:
@@ -627,7 +625,7 @@ class ExGRPOTrainer(GRPOTrainer):
                     self._exgrpo_record_warned = True
         self._exgrpo_add_row_keys(output, batch, self._exgrpo_pending)
         # generated after replay started (never with replay_ratio 0): no clip on fresh tokens
-        if cfg.remove_clip_after_replay_start and collecting and cfg.replay_ratio > 0:
+        if cfg.remove_clip_after_replay_start and collecting and cfg.replays:
             output[BatchKey.UNCLIPPED] = torch.ones(
                 len(batch.rows.inputs), dtype=torch.bool, device=outcome.solved.device
             )
@@ -957,38 +955,13 @@ class ExGRPOTrainer(GRPOTrainer):
         token_mask = (mask * replay_mask).bool()  # (B, T)
         if offline_mask is not None:
             token_mask = token_mask & ~offline_mask
-        weights = w[token_mask]  # (n,)
         if self.replay_token_weights is not None:
-            self.replay_token_weights.append(weights.float().cpu())
+            self.replay_token_weights.append(w[token_mask].float().cpu())
         gamma = cfg.policy_shaping_gamma
-        local = torch.stack(
-            [
-                weights.sum(),
-                shaped[token_mask].sum(),
-                token_mask.sum().to(w.dtype),
-                weights.max() if token_mask.any() else w.new_tensor(0.0),
-                replay_loss.detach(),
-                (weights < gamma).sum().to(w.dtype) if gamma is not None else w.new_tensor(0.0),
-                *(
-                    [w[offline_mask].sum(), shaped[offline_mask].sum(), offline_mask.sum().to(w.dtype)]
-                    if offline_mask is not None
-                    else []
-                ),
-            ]
-        ).float()
-        # (world, 6), or (world, 9) with offline guidance; on the host at once, not one copy per figure read
-        stats = self.accelerator.gather(local.unsqueeze(0)).cpu()
+        local = ReplayTokenStats.of(w, shaped, token_mask, offline_mask, replay_loss, gamma)
+        # (world, 9), on the host at once, not one copy per figure read
+        rows = self.accelerator.gather(local.as_row().unsqueeze(0)).cpu()
         metrics = self._metrics["train"]
-        offline_count = stats[:, 8].sum().item() if offline_mask is not None else 0.0
-        if offline_count > 0:  # w of an offline token is pi_theta itself
-            metrics[METRIC_PREFIX + "offline/token_prob_mean"].append(stats[:, 6].sum().item() / offline_count)
-            metrics[METRIC_PREFIX + "offline/shaped_weight_mean"].append(stats[:, 7].sum().item() / offline_count)
-        count = stats[:, 2].sum().item()
-        if count > 0:
-            metrics[METRIC_PREFIX + "replay/is_weight_mean"].append(stats[:, 0].sum().item() / count)
-            metrics[METRIC_PREFIX + "replay/is_weight_max"].append(stats[:, 3].max().item())
-            metrics[METRIC_PREFIX + "replay/shaped_weight_mean"].append(stats[:, 1].sum().item() / count)
-            if gamma is not None:  # the tokens whose weight the shaping holds near 0 (f(w) < 1/2)
-                metrics[METRIC_PREFIX + "replay/is_weight_below_gamma"].append(stats[:, 5].sum().item() / count)
-        metrics[METRIC_PREFIX + "replay/loss"].append(stats[:, 4].mean().item())
+        for name, value in ReplayTokenStats.figures(rows, gamma).items():
+            metrics[METRIC_PREFIX + name].append(value)
         return replay_loss

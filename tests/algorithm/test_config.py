@@ -148,3 +148,11 @@ def test_finite_thresholds_and_integer_candidates_accepted(tmp_path):
     cfg = make(tmp_path, success_reward_threshold=0.5, max_trajectory_candidates=2)
     assert (cfg.success_reward_threshold, cfg.max_trajectory_candidates) == (0.5, 2)
     assert make(tmp_path, success_reward_threshold=5, max_trajectory_candidates=None).max_trajectory_candidates is None
+
+
+def test_derived_switches(tmp_path):
+    # replay_ratio 0 replays nothing and skips nothing (GRPOTrainer), unless the diagnostic asks for retirement
+    assert (make(tmp_path).replays, make(tmp_path).skips_retired) == (True, True)
+    assert (make(tmp_path, replay_ratio=0.0).replays, make(tmp_path, replay_ratio=0.0).skips_retired) == (False, False)
+    assert make(tmp_path, replay_ratio=0.0, skip_retired_without_replay=True).skips_retired
+    assert not make(tmp_path, skip_retired_questions=False).skips_retired

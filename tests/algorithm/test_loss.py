@@ -121,3 +121,34 @@ def test_aggregation_rejects_unknown_loss_type():
             gradient_accumulation_steps=1,
             steps_per_generation=1,
         )
+
+
+def test_replay_token_stats_by_hand():
+    from exgrpo_trl.loss import ReplayTokenStats
+
+    # One rank, two rows of 3 tokens. Row 0 replayed (mask 1 1 0), row 1 offline (mask 1 0 0).
+    # w = [[0.05, 2.0, 9.0], [0.5, 7.0, 7.0]], f(w) given; gamma 0.1.
+    # replayed tokens: w 0.05, 2.0 -> sum 2.05, max 2.0, count 2, below gamma 1; f 0.3 + 0.9 = 1.2
+    # offline tokens: w 0.5, f 0.8 -> sums 0.5, 0.8, count 1
+    w = torch.tensor([[0.05, 2.0, 9.0], [0.5, 7.0, 7.0]])
+    shaped = torch.tensor([[0.3, 0.9, 1.0], [0.8, 1.0, 1.0]])
+    token_mask = torch.tensor([[True, True, False], [False, False, False]])
+    offline_mask = torch.tensor([[False, False, False], [True, False, False]])
+    stats = ReplayTokenStats.of(w, shaped, token_mask, offline_mask, torch.tensor(-0.25), 0.1)
+    row = stats.as_row()
+    assert row.tolist() == pytest.approx([2.05, 1.2, 2.0, 2.0, -0.25, 1.0, 0.5, 0.8, 1.0])
+    # A second rank with no replayed or offline token: counts 0, max 0, loss 0.75. Over the two ranks:
+    # is_weight_mean 2.05 / 2, shaped 1.2 / 2, max 2.0, below gamma 1 / 2, loss (-0.25 + 0.75) / 2 = 0.25,
+    # offline token prob 0.5 / 1, shaped 0.8 / 1
+    empty = ReplayTokenStats.of(w, shaped, torch.zeros_like(token_mask), torch.zeros_like(offline_mask),
+                                torch.tensor(0.75), 0.1)  # fmt: skip
+    figures = ReplayTokenStats.figures(torch.stack([row, empty.as_row()]), 0.1)
+    assert figures == pytest.approx({
+        "offline/token_prob_mean": 0.5, "offline/shaped_weight_mean": 0.8, "replay/is_weight_mean": 1.025,
+        "replay/is_weight_max": 2.0, "replay/shaped_weight_mean": 0.6, "replay/is_weight_below_gamma": 0.5,
+        "replay/loss": 0.25,
+    })  # fmt: skip
+    assert list(figures)[:2] == ["offline/token_prob_mean", "offline/shaped_weight_mean"]
+    # no replayed or offline token anywhere, no shaping: only the loss is logged
+    none = ReplayTokenStats.of(w, shaped, torch.zeros_like(token_mask), None, torch.tensor(0.5), None)
+    assert ReplayTokenStats.figures(none.as_row().unsqueeze(0), None) == {"replay/loss": 0.5}
