@@ -131,3 +131,24 @@ def offline_rows(
             index, ids = found
             chosen[local] = (OfflineRow(keys[local], index, global_row), ids)
     return chosen
+
+
+@dataclass
+class OfflineVerdicts:
+    """What the reward functions' scores say of one generation batch's offline rows (`offline_verdicts`)."""
+
+    unsolved: list[tuple[str, int]]  # (question, solution index) scored unsolved: rejected from now on
+    rows: set[int]  # the global rows that held an offline solution
+    pass_at_1: float  # the batch's Pass@1 over its generated rows only (what the delayed start reads)
+
+
+def offline_verdicts(rows: Sequence[tuple[str, int, int]], solved: Sequence[bool]) -> OfflineVerdicts:
+    """`rows`: every rank's offline rows as (question key, solution index, global row); `solved`: each global row's
+    success. The Pass@1 is a float32 mean as `replay.batch_outcome` computes it, 0 when every row was offline."""
+    import torch
+
+    unsolved = [(key, index) for key, index, g in rows if not solved[g]]
+    offline = {g for _, _, g in rows}
+    generated = [s for g, s in enumerate(solved) if g not in offline]
+    pass_at_1 = torch.tensor(generated, dtype=torch.float32).mean().item() if generated else 0.0
+    return OfflineVerdicts(unsolved, offline, pass_at_1)

@@ -28,7 +28,7 @@ from .checks import check_arguments, check_built, threshold_mismatch
 from .config import ExGRPOConfig
 from .export import read_export_meta, seed_buffer, tokenizer_fingerprint
 from .loss import ReplayTokenStats, aggregate_token_loss, shaped_replay_token_loss
-from .offline import OfflineGuide, offline_rows
+from .offline import OfflineGuide, offline_rows, offline_verdicts
 from .replay import (
     BatchOutcome,
     PendingCollection,
@@ -565,19 +565,19 @@ class ExGRPOTrainer(GRPOTrainer):
         solved = outcome.solved.tolist()  # one copy to the host, not one per row
         local_rows = [(row.key, row.index, row.global_row) for row in batch.rows.offline.values()]
         everything = [row for rank_rows in gather_object([local_rows]) for row in rank_rows]
-        unsolved = [(key, index) for key, index, g in everything if not solved[g]]
-        guide.rejected.update(unsolved)
+        verdicts = offline_verdicts(everything, solved)
+        guide.rejected.update(verdicts.unsolved)
         self.last_offline_rows = len(everything)
         for local, row in list(batch.rows.offline.items()):
             if not solved[row.global_row]:
                 output["advantages"][local] = 0.0
                 del batch.rows.offline[local]
-        offline_globals = {g for _, _, g in everything}
-        generated = [s for g, s in enumerate(solved) if g not in offline_globals]
-        # as `batch_outcome` computes it (a float32 mean), over the generated rows only
-        outcome.pass_at_1 = torch.tensor(generated, dtype=torch.float32).mean().item() if generated else 0.0
+        outcome.pass_at_1 = verdicts.pass_at_1
         self._exgrpo_batch_figures(
-            {"offline/groups": len(everything) / max(1, len(outcome.successes)), "offline/unsolved": len(unsolved)}
+            {
+                "offline/groups": len(everything) / max(1, len(outcome.successes)),
+                "offline/unsolved": len(verdicts.unsolved),
+            }
         )
         self._exgrpo_latest["offline/rejected"] = float(len(guide.rejected))  # a count: its value, never a mean
         if guide.too_long and not self._exgrpo_offline_warned:

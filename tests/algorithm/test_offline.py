@@ -82,3 +82,15 @@ def test_offline_token_weight_and_loss_by_hand():
     assert loss.item() == pytest.approx(-2 * 0.5 / 0.6)
     loss.sum().backward()
     assert logp.grad.item() == pytest.approx(-2 * 0.1 * 0.5 / 0.36)
+
+
+def test_offline_verdicts_by_hand():
+    from exgrpo_trl.offline import offline_verdicts
+
+    # 8 global rows, K = 4: offline rows 0 (question a, solution 0) and 4 (question b, solution 1); row 0 solved,
+    # row 4 not. Generated rows 1, 2, 3, 5, 6, 7 with successes 1, 0, 0, 1, 1, 0: Pass@1 3 / 6 = 0.5.
+    solved = [True, True, False, False, False, True, True, False]
+    verdicts = offline_verdicts([("a", 0, 0), ("b", 1, 4)], solved)
+    assert (verdicts.unsolved, verdicts.rows, verdicts.pass_at_1) == ([("b", 1)], {0, 4}, 0.5)
+    # every row offline: no generated row, Pass@1 0
+    assert offline_verdicts([("a", 0, 0)], [True]).pass_at_1 == 0.0
