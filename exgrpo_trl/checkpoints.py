@@ -19,6 +19,7 @@ empty. A leftover ``.exgrpo_state.tmp-PID`` is never read: it only tells that th
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import zipfile
@@ -29,6 +30,8 @@ from typing import Any
 from safetensors import safe_open
 
 from .state import STATE_DIRNAME, StateFileError, has_state, load_state, read_meta, read_small_arrays
+
+logger = logging.getLogger(__name__)
 
 TRAINER_STATE_NAME = "trainer_state.json"
 ENTROPY_STATE_NAME = "entropy_ctrl_state.json"  # TRL's adaptive entropy coefficient
@@ -263,3 +266,47 @@ def restore_state(
             "The buffer's questions, trajectories and random state are restored as saved."
         )
     return load_state(checkpoint, buffer, with_trajectories=is_main_process, meta=meta)
+
+
+# ------------------------------------------------------------------------------------------------ resolution
+_TRUE = ("true", "yes", "1")
+_FALSE = ("false", "no", "0")
+
+
+def resolve_checkpoint(training_args) -> str | None:
+    """The checkpoint to resume from (None: a fresh run), from ``resume_from_checkpoint``:
+
+    - unset: the newest COMPLETE ``checkpoint-N`` in ``output_dir`` , if any; newer incomplete
+      ones (a save interrupted by a crash) are skipped with a warning each, saying why;
+    - true (``true``, ``yes``, ``1``; YAML's ``true``): the same, but finding none is an error;
+    - false (``false``, ``no``, ``0``): a fresh run, even if ``output_dir`` holds checkpoints;
+    - a path: that checkpoint, which must be complete (an error says what it lacks).
+    """
+    value = training_args.resume_from_checkpoint
+    text = str(value).strip().lower() if value is not None else ""
+    requirements = dict(
+        need_optimizer=not training_args.save_only_model,
+        adaptive_entropy=bool(getattr(training_args, "use_adaptive_entropy", False)),
+    )
+    if text in _FALSE:
+        return None
+    if text and text not in _TRUE:
+        problems = checkpoint_problems(value, **requirements)
+        if problems:
+            raise ValueError(
+                f"Cannot resume from {value}: {'; '.join(problems)}. Give a complete checkpoint, or leave "
+                "resume_from_checkpoint unset to resume from the newest complete one in output_dir."
+            )
+        return str(value)
+    checkpoint, skipped = find_resumable_checkpoint(training_args.output_dir, **requirements)
+    for path, why in skipped:
+        logger.warning("Skipping %s: incomplete (%s), a save that was interrupted?", path, why)
+    if checkpoint is None and text in _TRUE:
+        raise ValueError(
+            f"resume_from_checkpoint is {value} but {training_args.output_dir} holds no complete checkpoint"
+            + (f" ({len(skipped)} incomplete, skipped)" if skipped else "")
+            + "; leave it unset to start a fresh run when there is none."
+        )
+    if checkpoint is None and skipped:
+        logger.warning("No complete checkpoint in %s: training starts from step 0.", training_args.output_dir)
+    return checkpoint

@@ -15,17 +15,14 @@ the adapter merged into its base model.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import inspect
 import json
 import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
-import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -34,12 +31,11 @@ from pathlib import Path
 import datasets
 import torch
 import transformers
-from transformers import TrainerCallback
 from trl import GRPOConfig, ModelConfig, TrlParser, get_peft_config, get_quantization_config
 from trl import ScriptArguments as TrlScriptArguments
 
-from ..checkpoints import checkpoint_problems, checkpoint_step, find_resumable_checkpoint
-from ..checks import ends_generation_batch, require_loggers
+from ..checkpoints import checkpoint_step, resolve_checkpoint
+from ..checks import require_loggers
 from ..config import ExGRPOConfig
 from ..state import StateFileError
 from ..tasks.math_data import filter_long_prompts, load_math_dataset
@@ -48,6 +44,7 @@ from ..utils.requirements import require
 from ..utils.threads import limit_cpu_threads
 from ..utils.tokenizer import load_tokenizer
 from . import precheck
+from .interrupt import Interrupted, StopOnInterrupt
 
 logger = logging.getLogger(__name__)
 
@@ -279,49 +276,6 @@ def _with_suggestion(name: str, known: list[str], where: str) -> str:
     return name + precheck.suggestion(name, known)
 
 
-_TRUE = ("true", "yes", "1")
-_FALSE = ("false", "no", "0")
-
-
-def resolve_checkpoint(training_args: ExGRPOConfig) -> str | None:
-    """The checkpoint to resume from (None: a fresh run), from ``resume_from_checkpoint``:
-
-    - unset: the newest COMPLETE ``checkpoint-N`` in ``output_dir`` (`utils.checkpoints`), if any; newer incomplete
-      ones (a save interrupted by a crash) are skipped with a warning each, saying why;
-    - true (``true``, ``yes``, ``1``; YAML's ``true``): the same, but finding none is an error;
-    - false (``false``, ``no``, ``0``): a fresh run, even if ``output_dir`` holds checkpoints;
-    - a path: that checkpoint, which must be complete (an error says what it lacks).
-    """
-    value = training_args.resume_from_checkpoint
-    text = str(value).strip().lower() if value is not None else ""
-    requirements = dict(
-        need_optimizer=not training_args.save_only_model,
-        adaptive_entropy=bool(getattr(training_args, "use_adaptive_entropy", False)),
-    )
-    if text in _FALSE:
-        return None
-    if text and text not in _TRUE:
-        problems = checkpoint_problems(value, **requirements)
-        if problems:
-            raise ValueError(
-                f"Cannot resume from {value}: {'; '.join(problems)}. Give a complete checkpoint, or leave "
-                "resume_from_checkpoint unset to resume from the newest complete one in output_dir."
-            )
-        return str(value)
-    checkpoint, skipped = find_resumable_checkpoint(training_args.output_dir, **requirements)
-    for path, why in skipped:
-        logger.warning("Skipping %s: incomplete (%s), a save that was interrupted?", path, why)
-    if checkpoint is None and text in _TRUE:
-        raise ValueError(
-            f"resume_from_checkpoint is {value} but {training_args.output_dir} holds no complete checkpoint"
-            + (f" ({len(skipped)} incomplete, skipped)" if skipped else "")
-            + "; leave it unset to start a fresh run when there is none."
-        )
-    if checkpoint is None and skipped:
-        logger.warning("No complete checkpoint in %s: training starts from step 0.", training_args.output_dir)
-    return checkpoint
-
-
 DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow", ".txt")
 
 
@@ -402,64 +356,6 @@ def reporting_errors(func: Callable) -> Callable:
             raise error(e) from e
 
     return wrapper
-
-
-class StopOnInterrupt(TrainerCallback):
-    """Ctrl-C (SIGINT) during training saves a checkpoint and stops at the end of the first optimizer step that ends a
-    generation batch (at most `steps_per_generation` steps on), so that the checkpoint resumes bitwise; a second
-    Ctrl-C stops at once. Every rank stops at the same step: the request is reduced over the ranks at the steps that
-    end a generation batch, the only ones a run can stop at (one collective per generation batch, not per step)."""
-
-    def __init__(self, accelerator):
-        self.accelerator = accelerator
-        self.requested = False
-        self.stopped_at: int | None = None
-
-    def handle(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    @contextlib.contextmanager
-    def installed(self):
-        """The handler, while the block runs (the main thread only: Python delivers signals there)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = signal.signal(signal.SIGINT, self.handle)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if not ends_generation_batch(args, state.global_step):  # the same on every rank
-            return control
-        requested = self.requested
-        if self.accelerator.num_processes > 1:  # a collective, at the same steps on every rank
-            flag = torch.tensor([float(requested)], device=self.accelerator.device)
-            requested = bool(self.accelerator.reduce(flag, reduction="max").item())
-        if requested:
-            control.should_save = control.should_training_stop = True
-            self.stopped_at = state.global_step
-        return control
-
-
-class Interrupted(Exception):
-    """Training stopped by Ctrl-C (KeyboardInterrupt) at `step`."""
-
-    def __init__(self, step: int, max_steps: int, output_dir: str):
-        super().__init__(step, max_steps, output_dir)
-        self.step, self.max_steps, self.output_dir = step, max_steps, output_dir
-
-    def __str__(self) -> str:
-        checkpoint, _ = find_resumable_checkpoint(self.output_dir)
-        of = f" of {self.max_steps}" if self.max_steps and self.max_steps > 0 else ""
-        if checkpoint is None:
-            then = "no checkpoint was saved yet, so rerunning the same command starts again from step 0"
-        else:
-            then = f"rerun the same command to resume from the newest checkpoint, {checkpoint}"
-        return f"interrupted at step {self.step}{of}; {then}"
 
 
 def data_columns(keep_columns: list[str], training_args: ExGRPOConfig) -> list[str]:

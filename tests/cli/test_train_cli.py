@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from exgrpo_trl.cli.train import load_tokenizer, model_init_kwargs, parse_args, resolve_checkpoint
+from exgrpo_trl.checkpoints import resolve_checkpoint
+from exgrpo_trl.cli.train import load_tokenizer, model_init_kwargs, parse_args
 from tests.helpers import ROOT, TINY_RECIPE, toy_recipe_args
 
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from exgrpo_trl.checkpoints import checkpoint_problems, find_resumable_checkpoint
-from exgrpo_trl.cli.train import parse_args, resolve_checkpoint
+from exgrpo_trl.checkpoints import checkpoint_problems, find_resumable_checkpoint, resolve_checkpoint
+from exgrpo_trl.cli.train import parse_args
 from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME
 from tests.helpers import ROOT, TINY_RECIPE, toy_recipe_args
 from tests.resume.crashing import CRASH_AT, ENV
