@@ -160,3 +160,90 @@ def test_images_and_plain_grpo_config_rejected(tmp_path, tokenizer):
             processing_class=tokenizer,
             train_dataset=synthetic_dataset(),
         )
+
+
+# Every private name of TRL's GRPOTrainer or transformers' Trainer the package touches, with the modules that touch it
+# and how: "override" (a method ExGRPOTrainer overrides, always through super()), "call" (a private method it calls),
+# "read" (an attribute it reads or writes), "swap" (an attribute `swapped` sets for one block), "keyword" (a private
+# keyword argument). Checked against TRL 1.16.0 (and the transformers it runs with): an upgrade that renames or drops
+# one fails `test_private_names_exist` naming it, before any training run.
+PRIVATE_NAMES = {
+    "_generate_and_score_completions": ("trainer.py", "override"),
+    "_generate_single_turn": ("trainer.py", "override"),
+    "_tool_call_loop": ("trainer.py", "override"),
+    "_generate": ("trainer.py", "override"),
+    "_calculate_rewards": ("trainer.py", "override"),
+    "_compute_loss": ("trainer.py", "override"),
+    "_get_per_token_logps_and_entropies": ("trainer.py", "override"),
+    "_get_train_sampler": ("trainer.py", "override"),
+    "_save_checkpoint": ("trainer.py", "override"),
+    "_load_optimizer_and_scheduler": ("trainer.py", "override"),
+    "_issue_warnings_after_load": ("trainer.py", "override"),
+    "_run_epoch": ("trainer.py", "override"),
+    "_tokenize_prompts": ("trainer.py", "call"),
+    "_get_output_dir": ("trainer.py", "call"),
+    "_metrics": ("trainer.py", "read"),
+    "_pending_extra_logs": ("trainer.py", "read"),
+    "_step": ("trainer.py", "read"),
+    "_tokenizer": ("trainer.py", "read"),
+    "_is_vlm": ("trainer.py", "read"),
+    "_multi_environment": ("trainer.py", "read"),
+    "_tag_names": ("trainer.py", "read"),
+    "_name": ("trainer.py", "read"),
+    "_paper": ("trainer.py", "read"),
+    "_batch_environments": ("trainer.py", "swap"),
+    "_finish_current_push": ("utils/hub.py", "call"),
+    "_internal_call": ("cli/train.py utils/hub.py", "keyword"),
+}
+
+
+def _trl_private_names() -> set[str]:
+    """The private names GRPOTrainer and Trainer have: class attributes, attributes their code assigns on self, and
+    their methods' keyword parameters."""
+    import re
+
+    import transformers
+    import transformers.trainer
+    import trl.trainer.grpo_trainer
+
+    names = set(dir(GRPOTrainer)) | set(dir(transformers.Trainer))
+    for module in (trl.trainer.grpo_trainer, transformers.trainer):
+        names |= set(re.findall(r"self\.(_[A-Za-z]\w*)\s*=", inspect.getsource(module)))
+    for cls in (GRPOTrainer, transformers.Trainer):
+        for _, fn in inspect.getmembers(cls, inspect.isfunction):
+            names |= {p for p in inspect.signature(fn).parameters if p.startswith("_")}
+    return {n for n in names if not n.startswith("__")}
+
+
+def test_private_names_exist():
+    missing = sorted(set(PRIVATE_NAMES) - _trl_private_names())
+    assert not missing, f"TRL {trl.__version__} no longer has {missing}: ExGRPOTrainer relies on them"
+
+
+def test_every_private_name_touched_is_pinned():
+    """The package's source, read: every private name of GRPOTrainer / Trainer it overrides (trainer.py's `def`s),
+    reads or calls (`._name`) or passes (`_name=`) is in PRIVATE_NAMES, in the module listed there. A module's own
+    private helpers that happen to share a name with TRL's are left out (defined with `def` in that module)."""
+    import re
+    from pathlib import Path
+
+    import exgrpo_trl
+
+    package = Path(exgrpo_trl.__file__).parent
+    trl_names = _trl_private_names()
+    found: dict[str, set[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package).as_posix()
+        text = path.read_text()
+        own = set(re.findall(r"def (_[A-Za-z]\w*)", text)) if rel != "trainer.py" else set()
+        names = set(re.findall(r"\.(_[A-Za-z]\w*)\b", text)) | set(re.findall(r"\b(_[A-Za-z]\w*)=", text))
+        if rel == "trainer.py":
+            names |= set(re.findall(r"def (_[A-Za-z]\w*)", text))
+            names |= set(re.findall(r"^    (_[A-Za-z]\w*) =", text, re.M))  # class attributes (tags, name, paper)
+        for name in (names & trl_names) - own:
+            found.setdefault(name, set()).add(rel)
+    pinned = {name: set(where.split()) for name, (where, _) in PRIVATE_NAMES.items()}
+    assert found == pinned, (
+        f"unpinned: { {n: w for n, w in found.items() if pinned.get(n) != w} }, "
+        f"pinned but unused: {sorted(set(pinned) - set(found))}"
+    )
