@@ -90,6 +90,36 @@ def config_kwargs(tmp_path, **overrides):
     return kwargs
 
 
+def make_trainer(
+    tmp_path,
+    tokenizer,
+    *,
+    cls=None,
+    model=None,
+    model_seed: int = 0,
+    reward_funcs=None,
+    train_dataset=None,
+    **config,
+):
+    """The one way the tests build a trainer: `cls` (default ExGRPOTrainer; TRL's GRPOTrainer, or a subclass of
+    either) on the tiny model (`make_model`, seed `model_seed`), the synthetic reward and dataset unless given, with
+    `config_kwargs(tmp_path, **config)`: an ExGRPOConfig for ExGRPOTrainer and its subclasses, a GRPOConfig otherwise
+    (ExGRPO's own fields are then an error, as they would be for GRPOConfig)."""
+    from trl import GRPOConfig
+
+    from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
+
+    cls = ExGRPOTrainer if cls is None else cls
+    config_cls = ExGRPOConfig if issubclass(cls, ExGRPOTrainer) else GRPOConfig
+    return cls(
+        model=make_model(tokenizer, seed=model_seed) if model is None else model,
+        reward_funcs=make_reward(tokenizer) if reward_funcs is None else reward_funcs,
+        args=config_cls(**config_kwargs(tmp_path, **config)),
+        train_dataset=synthetic_dataset() if train_dataset is None else train_dataset,
+        processing_class=tokenizer,
+    )
+
+
 def toy_recipe_args(toy_dir, out) -> list[str]:
     """`exgrpo train` arguments: the CPU recipe on a toy model folder (`toy_dir`), writing into `out`."""
     return ["--config", str(TINY_RECIPE), "--model_name_or_path", str(toy_dir), "--dataset_name",

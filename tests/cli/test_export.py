@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer, cli
+from exgrpo_trl import cli
 from exgrpo_trl.buffer import ExperienceBuffer
 from exgrpo_trl.export import (
     COLUMNS,
@@ -20,26 +20,20 @@ from exgrpo_trl.export import (
     tokenizer_fingerprint,
 )
 from exgrpo_trl.state import STATE_DIRNAME, load_state
-from tests.helpers import config_kwargs, make_model, make_reward, state_of, synthetic_dataset
+from tests.helpers import make_trainer, state_of, synthetic_dataset
 
 K = 8
 
 
-def _trainer(tmp_path, tokenizer, **overrides):
-    return ExGRPOTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(**config_kwargs(tmp_path, **{"replay_start_pass_rate": 0.0, **overrides})),
-        train_dataset=synthetic_dataset(n=16, always_every=4),
-        processing_class=tokenizer,
-    )
+# 16 questions, 4 a step; replay from the first step
+SMALL = dict(train_dataset=synthetic_dataset(n=16, always_every=4), replay_start_pass_rate=0.0)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, tokenizer):
     """A 3-step run saving checkpoint-3, exported by the command line to a folder and a parquet file."""
     tmp = tmp_path_factory.mktemp("export")
-    trainer = _trainer(tmp, tokenizer, max_steps=3, save_strategy="steps", save_steps=3)
+    trainer = make_trainer(tmp, tokenizer, **SMALL, max_steps=3, save_strategy="steps", save_steps=3)
     trainer.train()
     checkpoint = tmp / "out" / "checkpoint-3"
     buffer = ExperienceBuffer(K)
@@ -179,7 +173,7 @@ def _exported(state):
 @pytest.mark.parametrize("source", ["out", "parquet"])
 def test_seeding_with_the_same_tokenizer_restores_the_buffer(run, tmp_path, tokenizer, caplog, source):
     with caplog.at_level(logging.INFO, logger="exgrpo_trl.trainer"):
-        seeded = _trainer(tmp_path, tokenizer, initial_experience=str(run[source])).experience_buffer
+        seeded = make_trainer(tmp_path, tokenizer, **SMALL, initial_experience=str(run[source])).experience_buffer
     assert _exported(state_of(seeded)) == _exported(state_of(run["buffer"]))
     assert not seeded.retired
     buffer = run["buffer"]
@@ -212,7 +206,9 @@ def test_seeding_with_another_tokenizer_retokenizes_as_offline(run, tmp_path, ca
     assert too_long > 0 and expected  # both cases occur
 
     with caplog.at_level(logging.INFO, logger="exgrpo_trl.trainer"):
-        trainer = _trainer(tmp_path, other, initial_experience=str(run["out"]), max_completion_length=max_length)
+        trainer = make_trainer(
+            tmp_path, other, **SMALL, initial_experience=str(run["out"]), max_completion_length=max_length
+        )
     seeded = trainer.experience_buffer
     assert list(seeded.questions) == list(expected)
     for key, entry in seeded.questions.items():
@@ -244,7 +240,9 @@ def test_seeding_with_another_tokenizer_retokenizes_as_offline(run, tmp_path, ca
 def test_a_resumed_run_takes_the_checkpoints_buffer(run, tmp_path, tokenizer):
     """Seeded at init (a subset: short trajectories only), then resumed from checkpoint-3 (max_steps 3: nothing
     left to train): the checkpoint's buffer, whole."""
-    trainer = _trainer(tmp_path, tokenizer, initial_experience=str(run["out"]), max_steps=3, max_completion_length=4)
+    trainer = make_trainer(
+        tmp_path, tokenizer, **SMALL, initial_experience=str(run["out"]), max_steps=3, max_completion_length=4
+    )
     assert 0 < trainer.experience_buffer.num_trajectories < run["buffer"].num_trajectories
     trainer.train(resume_from_checkpoint=str(run["checkpoint"]))
     assert state_of(trainer.experience_buffer) == state_of(run["buffer"])
@@ -268,7 +266,7 @@ def test_seeding_errors_are_one_line(run, tmp_path, tokenizer):
     ]
     for overrides, message in cases:
         with pytest.raises(ExportError) as error:
-            _trainer(tmp_path, tokenizer, **overrides)
+            make_trainer(tmp_path, tokenizer, **SMALL, **overrides)
         assert str(error.value) == message
 
 

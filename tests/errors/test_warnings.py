@@ -12,7 +12,7 @@ from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import ExperienceBuffer
 from exgrpo_trl.checks import threshold_mismatch
 from exgrpo_trl.state import load_state
-from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import config_kwargs, make_model, make_reward, make_trainer, synthetic_dataset
 
 ALL_SOLVED = (
     "ExGRPO: every rollout of this batch counts as solved (weighted total reward >= success_reward_threshold=1), yet "
@@ -46,14 +46,8 @@ def test_threshold_mismatch_cases():
     assert _check([0, 0.2, 1, 1, 0, 0, 0, 0]) is None  # some solved, some not
 
 
-def _trainer(tmp_path, tokenizer, reward, **overrides):
-    return ExGRPOTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=reward,
-        args=ExGRPOConfig(**config_kwargs(tmp_path, max_steps=2, replay_start_pass_rate=0.0, **overrides)),
-        train_dataset=synthetic_dataset(always_every=1000),
-        processing_class=tokenizer,
-    )
+# two steps replaying from the first, on questions that are never solved whatever the completion
+QUIET = dict(train_dataset=synthetic_dataset(always_every=1000), max_steps=2, replay_start_pass_rate=0.0)
 
 
 def test_always_solved_reward_warns_once(tmp_path, tokenizer, caplog):
@@ -62,7 +56,7 @@ def test_always_solved_reward_warns_once(tmp_path, tokenizer, caplog):
     def one_plus_four_correct(completion_ids, always, **kwargs):
         return [1.0 + 4.0 * r for r in binary(completion_ids, always)]
 
-    trainer = _trainer(tmp_path, tokenizer, one_plus_four_correct)
+    trainer = make_trainer(tmp_path, tokenizer, reward_funcs=one_plus_four_correct, **QUIET)
     with caplog.at_level(logging.WARNING):
         trainer.train()
     warnings = [r.getMessage() for r in caplog.records if "success_reward_threshold" in r.getMessage()]
@@ -70,7 +64,9 @@ def test_always_solved_reward_warns_once(tmp_path, tokenizer, caplog):
     assert trainer.experience_buffer.num_questions == 0 and trainer.experience_buffer.retired  # what it warns of
 
     caplog.clear()
-    fixed = _trainer(tmp_path, tokenizer, one_plus_four_correct, success_reward_threshold=5.0)
+    fixed = make_trainer(
+        tmp_path, tokenizer, reward_funcs=one_plus_four_correct, **QUIET, success_reward_threshold=5.0
+    )
     with caplog.at_level(logging.WARNING):
         fixed.train()
     assert not [r for r in caplog.records if "success_reward_threshold" in r.getMessage()]

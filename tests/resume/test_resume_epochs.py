@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
@@ -24,7 +24,7 @@ from exgrpo_trl.checkpoints import checkpoint_problems, rotate_checkpoints
 from exgrpo_trl.checks import save_steps_inside_generation_batches
 from exgrpo_trl.sampler import SkipRetiredSampler
 from exgrpo_trl.state import STATE_DIRNAME
-from tests.helpers import config_kwargs, make_model, make_reward, state_of, synthetic_dataset
+from tests.helpers import config_kwargs, make_model, make_reward, make_trainer, state_of, synthetic_dataset
 
 PROMPTS = [f"q{i}" for i in range(12)]
 
@@ -99,22 +99,16 @@ def test_resume_replays_passes_begun_under_another_retired_set():
     assert not {0, 1, 2, 3} & set(head + tail)
 
 
-def _trainer(out, tokenizer, cls=ExGRPOTrainer, **overrides):
-    kwargs = config_kwargs(out, save_strategy="steps", save_steps=1, **overrides)
-    config = ExGRPOConfig(replay_start_pass_rate=0.0, **kwargs) if cls is ExGRPOTrainer else GRPOConfig(**kwargs)
-    return cls(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=config,
-        train_dataset=synthetic_dataset(n=16, always_every=4),  # 4 questions a step: an epoch is 4 steps
-        processing_class=tokenizer,
-    )
+# 16 questions, 4 a step: an epoch is 4 steps; a checkpoint every step. ExGRPO replays from the first step.
+EPOCHS = dict(train_dataset=synthetic_dataset(n=16, always_every=4), save_strategy="steps", save_steps=1)
+AT_ONCE = dict(replay_start_pass_rate=0.0)
 
 
-def _resume(tmp_path, straight_dir, name, step, tokenizer, cls=ExGRPOTrainer, **overrides):
+def _resume(tmp_path, straight_dir, name, step, tokenizer, cls=ExGRPOTrainer, **config):
     out = tmp_path / name
     shutil.copytree(straight_dir / "out" / f"checkpoint-{step}", out / "out" / f"checkpoint-{step}")
-    trainer = _trainer(out, tokenizer, cls, **overrides)
+    exgrpo = AT_ONCE if issubclass(cls, ExGRPOTrainer) else {}
+    trainer = make_trainer(out, tokenizer, cls=cls, **EPOCHS, **exgrpo, **config)
     trainer.train(resume_from_checkpoint=str(out / "out" / f"checkpoint-{step}"))
     return trainer
 
@@ -127,7 +121,7 @@ def test_resume_in_the_second_and_third_epoch_is_bitwise(tmp_path, tokenizer):
     """10 steps straight against resumes from step 5 (inside epoch 1), 8 (its end) and 9 (inside epoch 2): the same
     parameters bitwise and the same buffer. Plain GRPOTrainer resumed at step 5 does not end where it would have,
     while ExGRPOTrainer with replay_ratio=0 resumed there ends exactly where GRPOTrainer's straight run ends."""
-    straight = _trainer(tmp_path / "straight", tokenizer, max_steps=10)
+    straight = make_trainer(tmp_path / "straight", tokenizer, **EPOCHS, **AT_ONCE, max_steps=10)
     straight.train()
     assert straight.experience_buffer.retired and straight.experience_buffer.num_trajectories > 0
     for step in (5, 8, 9):
@@ -137,12 +131,12 @@ def test_resume_in_the_second_and_third_epoch_is_bitwise(tmp_path, tokenizer):
         assert state_of(resumed.experience_buffer) == state_of(straight.experience_buffer)
         assert resumed.exgrpo_state == straight.exgrpo_state
 
-    grpo = _trainer(tmp_path / "grpo", tokenizer, GRPOTrainer, max_steps=10)
+    grpo = make_trainer(tmp_path / "grpo", tokenizer, cls=GRPOTrainer, **EPOCHS, max_steps=10)
     grpo.train()
     grpo_resumed = _resume(tmp_path, tmp_path / "grpo", "grpo5", 5, tokenizer, GRPOTrainer, max_steps=10)
     assert not _same_parameters(grpo, grpo_resumed)  # GRPOTrainer's own flaw: epoch 1 drawn in epoch 0's order
 
-    rho0 = _trainer(tmp_path / "rho0", tokenizer, max_steps=10, replay_ratio=0.0)
+    rho0 = make_trainer(tmp_path / "rho0", tokenizer, **EPOCHS, **AT_ONCE, max_steps=10, replay_ratio=0.0)
     rho0.train()
     assert _same_parameters(rho0, grpo)
     rho0_resumed = _resume(tmp_path, tmp_path / "rho0", "rho0from5", 5, tokenizer, max_steps=10, replay_ratio=0.0)
@@ -151,10 +145,10 @@ def test_resume_in_the_second_and_third_epoch_is_bitwise(tmp_path, tokenizer):
 
 def test_resumed_at_max_steps_trains_nothing(tmp_path, tokenizer):
     """Resumed from its last checkpoint, a finished run takes no step (transformers took one more each time)."""
-    run = _trainer(tmp_path / "run", tokenizer, max_steps=6)  # 6 is inside the second epoch
+    run = make_trainer(tmp_path / "run", tokenizer, **EPOCHS, **AT_ONCE, max_steps=6)  # 6 is inside the second epoch
     run.train()
     weights = [p.detach().clone() for p in run.model.parameters()]
-    again = _trainer(tmp_path / "run", tokenizer, max_steps=6)
+    again = make_trainer(tmp_path / "run", tokenizer, **EPOCHS, **AT_ONCE, max_steps=6)
     output = again.train(resume_from_checkpoint=str(tmp_path / "run" / "out" / "checkpoint-6"))
     assert again.state.global_step == 6 == output.global_step
     assert not (tmp_path / "run" / "out" / "checkpoint-7").exists()
@@ -167,7 +161,9 @@ def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path, tokenizer):
     it (transformers orders by time) and delete complete ones; now incomplete ones go first, then the oldest by step.
     A leftover temporary state folder is removed at the next save."""
     out = tmp_path / "run" / "out"
-    _trainer(tmp_path / "run", tokenizer, max_steps=4, save_total_limit=0).train()  # keep every checkpoint
+    make_trainer(
+        tmp_path / "run", tokenizer, **EPOCHS, **AT_ONCE, max_steps=4, save_total_limit=0
+    ).train()  # keep every checkpoint
     leftover = out / "checkpoint-4" / f".{STATE_DIRNAME}.tmp-999999"  # a process killed inside save_state
     shutil.copytree(out / "checkpoint-4" / STATE_DIRNAME, leftover)
     # checkpoint-3 half-deleted by an interrupted rotation: its weights and optimizer gone, its time the newest
@@ -183,7 +179,7 @@ def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path, tokenizer):
     by_time = sort_checkpoints(str(out), use_mtime=True)
     assert by_time[-1].endswith("checkpoint-3")  # what transformers' rotation would have protected
 
-    resumed = _trainer(tmp_path / "run", tokenizer, max_steps=6, save_total_limit=3)
+    resumed = make_trainer(tmp_path / "run", tokenizer, **EPOCHS, **AT_ONCE, max_steps=6, save_total_limit=3)
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-4"))
     # at step 5: 3 (incomplete) deleted first, then 1 (the oldest complete); at step 6: 2
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-5", "checkpoint-6"]
@@ -193,7 +189,7 @@ def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path, tokenizer):
 
 def test_rotate_checkpoints_by_hand(tmp_path, tokenizer):
     out = tmp_path / "run" / "out"
-    _trainer(tmp_path / "run", tokenizer, max_steps=4, save_total_limit=0).train()
+    make_trainer(tmp_path / "run", tokenizer, **EPOCHS, **AT_ONCE, max_steps=4, save_total_limit=0).train()
     (out / "checkpoint-4" / "trainer_state.json").write_text("{")  # cut short
     # limit 2, the newest (incomplete) one kept as the current checkpoint: 4 kept, 3 kept, 1 and 2 deleted
     deleted = rotate_checkpoints(out, 2, keep=[out / "checkpoint-4"])
@@ -255,19 +251,14 @@ def test_resume_does_not_report_tied_weights_as_missing(tmp_path, tokenizer):
         def emit(self, record):
             seen.append(record.getMessage())
 
-    def trainer(max_steps):
-        args = ExGRPOConfig(**config_kwargs(tmp_path, max_steps=max_steps, save_strategy="steps", save_steps=1))
-        return ExGRPOTrainer(model=make_model(tokenizer), reward_funcs=make_reward(tokenizer), args=args,
-                             train_dataset=synthetic_dataset(), processing_class=tokenizer)  # fmt: skip
-
     model = make_model(tokenizer)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied
-    trainer(1).train()
+    make_trainer(tmp_path, tokenizer, max_steps=1, save_strategy="steps", save_steps=1).train()
     handler = Collect(level=logging.WARNING)
     logger = logging.getLogger("transformers.trainer")
     logger.addHandler(handler)
     try:
-        resumed = trainer(2)
+        resumed = make_trainer(tmp_path, tokenizer, max_steps=2, save_strategy="steps", save_steps=1)
         resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
     finally:
         logger.removeHandler(handler)

@@ -11,7 +11,7 @@ import torch
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import ExperienceBuffer, Trajectory
 from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, StateFileError, load_state, save_state
-from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import config_kwargs, make_model, make_reward, make_trainer, synthetic_dataset
 
 
 def sample_buffer(seed=0):
@@ -208,25 +208,18 @@ def test_unserialisable_row_is_a_clear_error(tmp_path):
     assert not (tmp_path / STATE_DIRNAME).exists()
 
 
-def _trainer(out, tokenizer, max_steps, **overrides):
-    kwargs = config_kwargs(out, max_steps=max_steps, save_strategy="steps", replay_start_pass_rate=0.0, **overrides)
-    return ExGRPOTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(**kwargs),
-        train_dataset=synthetic_dataset(n=16, always_every=4),
-        processing_class=tokenizer,
-    )
+# 16 questions, 4 a step; replay from the first step; checkpoints by steps
+SMALL = dict(train_dataset=synthetic_dataset(n=16, always_every=4), save_strategy="steps", replay_start_pass_rate=0.0)
 
 
 def test_resume_is_bitwise(tmp_path, tokenizer):
     """2N steps straight, and N steps + resume from that checkpoint + N more, end identical: parameters bitwise,
     buffers (arrays, rows, buckets, retired, generator) equal. N = 3 crosses an epoch (4 batches of 4 questions)."""
-    straight = _trainer(tmp_path / "a", tokenizer, max_steps=6, save_steps=3)
+    straight = make_trainer(tmp_path / "a", tokenizer, **SMALL, max_steps=6, save_steps=3)
     straight.train()
     resumed_dir = tmp_path / "b"
     shutil.copytree(tmp_path / "a" / "out" / "checkpoint-3", resumed_dir / "out" / "checkpoint-3")
-    resumed = _trainer(resumed_dir, tokenizer, max_steps=6, save_steps=3)
+    resumed = make_trainer(resumed_dir, tokenizer, **SMALL, max_steps=6, save_steps=3)
     resumed.train(resume_from_checkpoint=str(resumed_dir / "out" / "checkpoint-3"))
 
     assert straight.experience_buffer.num_trajectories > 0 and straight.experience_buffer.retired
