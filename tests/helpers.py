@@ -99,12 +99,15 @@ def make_trainer(
     model_seed: int = 0,
     reward_funcs=None,
     train_dataset=None,
+    callbacks=None,
+    peft_config=None,
     **config,
 ):
     """The one way the tests build a trainer: `cls` (default ExGRPOTrainer; TRL's GRPOTrainer, or a subclass of
     either) on the tiny model (`make_model`, seed `model_seed`), the synthetic reward and dataset unless given, with
     `config_kwargs(tmp_path, **config)`: an ExGRPOConfig for ExGRPOTrainer and its subclasses, a GRPOConfig otherwise
-    (ExGRPO's own fields are then an error, as they would be for GRPOConfig)."""
+    (ExGRPO's own fields are then an error, as they would be for GRPOConfig). `model` may be a model or a path;
+    `callbacks` and `peft_config` go to the trainer."""
     from trl import GRPOConfig
 
     from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
@@ -117,6 +120,8 @@ def make_trainer(
         args=config_cls(**config_kwargs(tmp_path, **config)),
         train_dataset=synthetic_dataset() if train_dataset is None else train_dataset,
         processing_class=tokenizer,
+        callbacks=callbacks,
+        peft_config=peft_config,
     )
 
 

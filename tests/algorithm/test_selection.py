@@ -4,21 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import Trajectory, question_key
-from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import make_trainer
 
 
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory, tokenizer):
-    kwargs = config_kwargs(tmp_path_factory.mktemp("sel"), replay_start_pass_rate=0.0, per_device_train_batch_size=16)
-    t = ExGRPOTrainer(
-        model=make_model(tokenizer, seed=3),
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(**kwargs),
-        train_dataset=synthetic_dataset(),
-        processing_class=tokenizer,
-    )
+    t = make_trainer(tmp_path_factory.mktemp("sel"), tokenizer, model_seed=3, replay_start_pass_rate=0.0,
+                     per_device_train_batch_size=16)  # fmt: skip
     t.model.train()
     return t
 

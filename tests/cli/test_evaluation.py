@@ -578,18 +578,10 @@ def _toy_validation_set(n: int = 4) -> LoadedBenchmark:
 
 
 def _train(tmp_path, tokenizer, validate: bool):
-    from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
     from exgrpo_trl.eval.callback import ValidationCallback
-    from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
+    from tests.helpers import make_trainer
 
-    args = ExGRPOConfig(**config_kwargs(tmp_path, max_steps=4, replay_start_pass_rate=0.0))
-    trainer = ExGRPOTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=args,
-        train_dataset=synthetic_dataset(),
-        processing_class=tokenizer,
-    )
+    trainer = make_trainer(tmp_path, tokenizer, max_steps=4, replay_start_pass_rate=0.0)
     seen = []
     if validate:
         callback = ValidationCallback([_toy_validation_set()], steps=2, samples=2, max_new_tokens=4)

@@ -21,9 +21,8 @@ from peft import LoraConfig, PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.utils.hub import ADAPTER_FILES, push_trained_model
-from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import make_model, make_trainer
 from tests.support import hub_stand_in
 
 LORA_R, LORA_ALPHA = 4, 8  # scaling alpha / r = 2
@@ -54,15 +53,9 @@ def base_dir(tmp_path_factory, tokenizer):
 
 def _train(out, base_dir, tokenizer, *, peft_config=None, **overrides):
     # lr 1e-2: two Adam steps move every LoRA B entry by ~1e-2, so the merged weights differ visibly from the base
-    kwargs = config_kwargs(out, max_steps=2, learning_rate=1e-2, replay_start_pass_rate=0.0, **overrides)
-    trainer = ExGRPOTrainer(
-        model=str(base_dir),  # a path, as `exgrpo train` passes it: the adapter records it as its base
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(**kwargs),
-        train_dataset=synthetic_dataset(),
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
+    trainer = make_trainer(out, tokenizer, model=str(base_dir),  # a path, as `exgrpo train` passes it: the base
+                           peft_config=peft_config, max_steps=2, learning_rate=1e-2, replay_start_pass_rate=0.0,
+                           **overrides)  # fmt: skip
     trainer.train()
     return trainer
 

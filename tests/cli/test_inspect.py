@@ -12,7 +12,7 @@ from exgrpo_trl import cli
 from exgrpo_trl.buffer import ExperienceBuffer, Trajectory
 from exgrpo_trl.cli.inspect import main, plot, summarize
 from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, save_state
-from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import make_trainer, synthetic_dataset
 
 
 def _traj(length, step):
@@ -297,16 +297,8 @@ def test_plain_grpo_checkpoint_and_output_folder_hints(tmp_path, checkpoint, cap
 
 
 def test_checkpoint_of_a_real_run_matches_the_trainer(tmp_path, tokenizer):
-    from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
-
-    kwargs = config_kwargs(tmp_path, max_steps=3, save_strategy="steps", save_steps=3, replay_start_pass_rate=0.0)
-    trainer = ExGRPOTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(**kwargs),
-        train_dataset=synthetic_dataset(n=16, always_every=4),
-        processing_class=tokenizer,
-    )
+    trainer = make_trainer(tmp_path, tokenizer, train_dataset=synthetic_dataset(n=16, always_every=4), max_steps=3,
+                           save_strategy="steps", save_steps=3, replay_start_pass_rate=0.0)  # fmt: skip
     trainer.train()
     buffer = trainer.experience_buffer
     s = summarize(tmp_path / "out" / "checkpoint-3", verify=True)

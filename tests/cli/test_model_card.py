@@ -11,10 +11,9 @@ from types import SimpleNamespace
 import pytest
 from huggingface_hub import ModelCard
 
-from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import ExperienceBuffer
 from exgrpo_trl.card import SECTION_TITLE, add_section, exgrpo_card_section
-from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import make_model, make_trainer, synthetic_dataset
 
 TITLE = "ExGRPO: Learning to Reason from Experience"
 BUFFER_LINE = re.compile(
@@ -38,14 +37,8 @@ SETTINGS = dict(
 @pytest.fixture(scope="module")
 def card_run(tmp_path_factory, tokenizer):
     out = tmp_path_factory.mktemp("card")
-    trainer = ExGRPOTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(**config_kwargs(out, **SETTINGS)),
-        # every 4th question is always solved: groups at K/K retire, so the retired count is not trivially 0
-        train_dataset=synthetic_dataset(always_every=4),
-        processing_class=tokenizer,
-    )
+    # every 4th question is always solved: groups at K/K retire, so the retired count is not trivially 0
+    trainer = make_trainer(out, tokenizer, train_dataset=synthetic_dataset(always_every=4), **SETTINGS)
     trainer.train()
     trainer.create_model_card(model_name="tiny-exgrpo", dataset_name="toy/addition", tags=["math"])
     return trainer, (out / "out" / "README.md").read_text()
@@ -189,13 +182,7 @@ def test_add_section_inserts_before_citations_and_replaces():
 # Local base model and dataset, model not pushed: no links to huggingface.co/None or to a path as a Hub dataset
 # ---------------------------------------------------------------------------------------------------------------
 def _card_for(tmp_path, tokenizer, model, dataset_name):
-    trainer = ExGRPOTrainer(
-        model=model,
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(**config_kwargs(tmp_path)),
-        train_dataset=synthetic_dataset(),
-        processing_class=tokenizer,
-    )
+    trainer = make_trainer(tmp_path, tokenizer, model=model)
     trainer.create_model_card(model_name="tiny", dataset_name=dataset_name)
     return trainer, (tmp_path / "out" / "README.md").read_text()
 

@@ -27,7 +27,7 @@ import pytest
 from exgrpo_trl.checkpoints import checkpoint_problems, find_resumable_checkpoint, resolve_checkpoint
 from exgrpo_trl.cli.train import parse_args
 from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME
-from tests.helpers import ROOT, TINY_RECIPE, toy_recipe_args
+from tests.helpers import ROOT, TINY_RECIPE, make_trainer, toy_recipe_args
 from tests.resume.crashing import CRASH_AT, ENV
 
 NO_WEIGHTS = "no model weights (model.safetensors, pytorch_model.bin, a sharded index or an adapter)"
@@ -217,18 +217,10 @@ def _parses(path: Path) -> bool:
 @pytest.fixture(scope="module")
 def complete_checkpoint(tmp_path_factory, tokenizer):
     """checkpoint-1 of a real ExGRPO run with something in its buffer."""
-    from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
-    from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
 
     out = tmp_path_factory.mktemp("complete")
-    trainer = ExGRPOTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(
-            **config_kwargs(out, max_steps=1, save_strategy="steps", save_steps=1, replay_start_pass_rate=0.0)
-        ),
-        train_dataset=synthetic_dataset(),
-        processing_class=tokenizer,
+    trainer = make_trainer(
+        out, tokenizer, max_steps=1, save_strategy="steps", save_steps=1, replay_start_pass_rate=0.0
     )
     trainer.train()
     assert trainer.experience_buffer.num_trajectories > 0

@@ -10,7 +10,7 @@ from datasets import Dataset
 from exgrpo_trl import ExGRPOConfig
 from exgrpo_trl.buffer import question_key
 from exgrpo_trl.trainer import BatchKey
-from tests.helpers import config_kwargs, make_model, make_reward
+from tests.helpers import config_kwargs, make_trainer
 from tests.support.recording import RecordingTrainer
 
 K = 8
@@ -27,15 +27,10 @@ def offline_dataset(n: int = 32) -> Dataset:
 
 def build(tmp_path, tokenizer, dataset=None, peft_config=None, **overrides) -> RecordingTrainer:
     """A recording trainer of the tiny model on `dataset` (`offline_dataset()`), offline solutions from `solution`."""
-    kwargs = config_kwargs(tmp_path, **{"offline_solutions_column": "solution", **overrides})
-    return RecordingTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(**kwargs),
-        train_dataset=dataset if dataset is not None else offline_dataset(),
-        processing_class=tokenizer,
-        peft_config=peft_config,
-    )
+    config = {"offline_solutions_column": "solution", **overrides}
+    dataset = dataset if dataset is not None else offline_dataset()
+    return make_trainer(tmp_path, tokenizer, cls=RecordingTrainer, train_dataset=dataset, peft_config=peft_config,
+                        **config)  # fmt: skip
 
 
 def run(tmp_path, tokenizer, dataset=None, **overrides):

@@ -5,23 +5,16 @@ import math
 import pytest
 import torch
 
-from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import question_key
 from exgrpo_trl.replay import RowAssignment
 from exgrpo_trl.trainer import REPLAYED_COLUMN, BatchKey, GenerationBatch
-from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import make_trainer, synthetic_dataset
 from tests.support.recording import RecordingTrainer
 
 
 def run(tmp_path, tokenizer, dataset=None, **overrides):
-    kwargs = config_kwargs(tmp_path, **{"replay_start_pass_rate": 0.0, **overrides})
-    trainer = RecordingTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(**kwargs),
-        train_dataset=dataset or synthetic_dataset(),
-        processing_class=tokenizer,
-    )
+    config = {"replay_start_pass_rate": 0.0, **overrides}
+    trainer = make_trainer(tmp_path, tokenizer, cls=RecordingTrainer, train_dataset=dataset, **config)
     trainer.train()
     return trainer
 
@@ -172,13 +165,7 @@ def test_grpo_with_retired_questions_skipped(tmp_path, tokenizer):
     assert retired == always  # every group fresh in epoch 1: each always-solved question was seen and retired
     for batch in trainer.batches[4:]:
         assert not {question_key(batch["prompts"][g * 8]) for g in range(4)} & retired
-    plain = ExGRPOTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(**config_kwargs(tmp_path / "plain", replay_ratio=0.0)),
-        train_dataset=dataset,
-        processing_class=tokenizer,
-    )
+    plain = make_trainer(tmp_path / "plain", tokenizer, train_dataset=dataset, replay_ratio=0.0)
     # Without the switch nothing is skipped: the wrapper (there so that its place in the epochs is saved with
     # checkpoints) yields exactly TRL's sampler's indices, and never looks at the buffer's retired set.
     sampler = plain._get_train_sampler()
@@ -262,13 +249,7 @@ def test_selection_ablations_run(tmp_path, tokenizer, selection):
 def test_spliced_rows_are_not_generated(tmp_path, tokenizer, monkeypatch, backend, generated):
     from trl import GRPOTrainer
 
-    trainer = ExGRPOTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(**config_kwargs(tmp_path)),
-        train_dataset=synthetic_dataset(),
-        processing_class=tokenizer,
-    )
+    trainer = make_trainer(tmp_path, tokenizer)
     seen = []
 
     def fake_generate(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -306,11 +287,8 @@ def test_every_training_row_carries_the_exgrpo_metrics_and_counts_are_gauges(tmp
             if "loss" in logs:
                 seen.append((logs, trainer.experience_buffer.num_questions, len(trainer.experience_buffer.retired)))
 
-    args = ExGRPOConfig(**config_kwargs(tmp_path, steps_per_generation=2, max_steps=6, replay_start_pass_rate=None))
-    trainer = ExGRPOTrainer(
-        model=make_model(tokenizer), reward_funcs=make_reward(tokenizer), args=args,
-        train_dataset=synthetic_dataset(), processing_class=tokenizer, callbacks=[AtLog()],
-    )  # fmt: skip
+    trainer = make_trainer(tmp_path, tokenizer, callbacks=[AtLog()], steps_per_generation=2, max_steps=6,
+                           replay_start_pass_rate=None)  # fmt: skip
     trainer.train()
     assert len(seen) == 6  # one row per update, generation batches at updates 1, 3, 5 only
     keys = {"exgrpo/replay/active", "exgrpo/replay/fraction", "exgrpo/batch/pass_at_1", "exgrpo/buffer/questions",
