@@ -313,8 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     import torch
 
-    from exgrpo_trl.utils.quiet import quiet
     from exgrpo_trl.utils.threads import default_cpu_threads
+
+    from .quiet import quiet
 
     # The warm start runs here, the two arms in one-thread processes: one thread here too, as a busy machine would
     # otherwise slow it down 5-17 times (utils/threads.py).

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lab.study: {exc}", file=sys.stderr)
         return 2
     if args.run_one:
-        from exgrpo_trl.utils.quiet import quiet
+        from ..quiet import quiet
 
         task, arm, seed = args.run_one
         with quiet():
