@@ -394,12 +394,12 @@ def test_missing_extra_output_is_what_the_page_shows(monkeypatch, capsys):
 
 
 def test_interrupt_output_is_what_the_page_shows(monkeypatch):
-    from exgrpo_trl.cli import train
+    from exgrpo_trl.cli import interrupt
 
     (block,) = section_blocks(DOCS / "resume.md", "## Resuming with `exgrpo train`")
     checkpoint = "outputs/exgrpo-tiny-cpu/checkpoint-138"
-    monkeypatch.setattr(train, "find_resumable_checkpoint", lambda output_dir: (checkpoint, []))
-    line = "exgrpo train: " + str(train.Interrupted(138, 300, "outputs/exgrpo-tiny-cpu"))
+    monkeypatch.setattr(interrupt, "find_resumable_checkpoint", lambda output_dir: (checkpoint, []))
+    line = "exgrpo train: " + str(interrupt.Interrupted(138, 300, "outputs/exgrpo-tiny-cpu"))
     assert block.text.splitlines() == [line]
 
 
