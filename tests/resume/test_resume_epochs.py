@@ -143,6 +143,21 @@ def test_resume_in_the_second_and_third_epoch_is_bitwise(tmp_path, tokenizer):
     assert _same_parameters(rho0_resumed, grpo)
 
 
+def test_resume_with_a_reuse_limit_is_bitwise(tmp_path, tokenizer):
+    """replay_cooldown's clock (each question's last replayed draw, the draw count) is training state: resumed from
+    step 3 of 6, the run draws what the straight run draws, ending with the same parameters and the same buffer."""
+    limited = dict(max_steps=6, replay_cooldown=1)
+    straight = make_trainer(tmp_path / "straight", tokenizer, **EPOCHS, **AT_ONCE, **limited)
+    straight.train()
+    buffer = straight.experience_buffer
+    assert buffer.draws == 6 and buffer.replayed_at  # a draw a step (one generation batch a step), questions replayed
+    resumed = _resume(tmp_path, tmp_path / "straight", "from3", 3, tokenizer, **limited)
+    assert _same_parameters(straight, resumed)
+    assert state_of(resumed.experience_buffer) == state_of(buffer)  # replayed_at and draws included (state_meta)
+    again = resumed.experience_buffer
+    assert (again.draws, again.replayed_at) == (buffer.draws, buffer.replayed_at)
+
+
 def test_resumed_at_max_steps_trains_nothing(tmp_path, tokenizer):
     """Resumed from its last checkpoint, a finished run takes no step (transformers took one more each time)."""
     run = make_trainer(tmp_path / "run", tokenizer, **EPOCHS, **AT_ONCE, max_steps=6)  # 6 is inside the second epoch
