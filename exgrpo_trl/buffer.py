@@ -259,17 +259,13 @@ class ExperienceBuffer:
 
     def sample_questions(self, n: int) -> list[str]:
         """Draw `n` distinct questions for replay (fewer if the buffer holds fewer eligible ones: `eligible`)."""
-        if self.cooldown:
-            members_of = {b: [q for q in m if self.eligible(q)] for b, m in self._buckets.items()}
-        else:  # no reuse limit: every question, as the paper draws them
-            members_of = {b: list(m) for b, m in self._buckets.items()}
+        # without a reuse limit every question is eligible: the paper's draw, number for number
+        members_of = {b: [q for q in m if self.eligible(q)] for b, m in self._buckets.items()}
         n = min(int(n), sum(len(m) for m in members_of.values()))
         if n <= 0:
             return []
         if self.question_selection == "uniform":
-            keys = list(self.questions)
-            if self.cooldown:
-                keys = [q for q in keys if self.eligible(q)]
+            keys = [q for q in self.questions if self.eligible(q)]
             picked = self.rng.choice(len(keys), size=n, replace=False)
             return [keys[i] for i in picked]
 

@@ -276,8 +276,8 @@ _FALSE = ("false", "no", "0")
 def resolve_checkpoint(training_args) -> str | None:
     """The checkpoint to resume from (None: a fresh run), from ``resume_from_checkpoint``:
 
-    - unset: the newest COMPLETE ``checkpoint-N`` in ``output_dir`` , if any; newer incomplete
-      ones (a save interrupted by a crash) are skipped with a warning each, saying why;
+    - unset: the newest COMPLETE ``checkpoint-N`` in ``output_dir``, if any; newer incomplete ones (a save
+      interrupted by a crash) are skipped with a warning each, saying why;
     - true (``true``, ``yes``, ``1``; YAML's ``true``): the same, but finding none is an error;
     - false (``false``, ``no``, ``0``): a fresh run, even if ``output_dir`` holds checkpoints;
     - a path: that checkpoint, which must be complete (an error says what it lacks).

@@ -118,7 +118,7 @@ class ReplayTokenStats:
             weights.sum(),
             shaped[token_mask].sum(),
             token_mask.sum().to(w.dtype),
-            weights.max() if token_mask.any() else zero,
+            w.masked_fill(~token_mask, 0.0).amax(),  # w > 0: the max over replayed tokens, 0 with none (no sync)
             loss.detach(),
             (weights < gamma).sum().to(w.dtype) if gamma is not None else zero,
             *offline,

@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 OFFLINE_GUIDANCE = ("all_groups", "unsolved")
 
 
@@ -145,8 +147,6 @@ class OfflineVerdicts:
 def offline_verdicts(rows: Sequence[tuple[str, int, int]], solved: Sequence[bool]) -> OfflineVerdicts:
     """`rows`: every rank's offline rows as (question key, solution index, global row); `solved`: each global row's
     success. The Pass@1 is a float32 mean as `replay.batch_outcome` computes it, 0 when every row was offline."""
-    import torch
-
     unsolved = [(key, index) for key, index, g in rows if not solved[g]]
     offline = {g for _, _, g in rows}
     generated = [s for g, s in enumerate(solved) if g not in offline]

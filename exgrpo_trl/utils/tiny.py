@@ -402,29 +402,22 @@ def warm_start(
     on_cpu = contextlib.nullcontext() if device.type != "cpu" else cpu_threads(threads)
     try:
         with on_cpu:
-            _train_steps(model, tokenizer, bar, rng, optimizer, schedule, losses, batch_size, min_digits, max_digits,
-                         example, device)  # fmt: skip
+            for _ in bar:
+                batch = _supervised_batch(tokenizer, rng, batch_size, min_digits, max_digits, example)
+                batch = {k: v.to(device) for k, v in batch.items()}
+                loss = model(**batch).loss
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                schedule.step()
+                losses.append(loss.item())
+                if len(losses) % 10 == 0:
+                    bar.set_postfix(loss=f"{sum(losses[-10:]) / 10:.3f}")
     finally:
         bar.close()
         model.train(was_training)
     return {"losses": losses, "seconds": time.perf_counter() - start, "steps": steps}
-
-
-def _train_steps(model, tokenizer, bar, rng, optimizer, schedule, losses, batch_size, min_digits, max_digits,
-                 example, device) -> None:  # fmt: skip
-    """The warm start's loop over `bar` (appends each step's loss to `losses`)."""
-    for _ in bar:
-        batch = _supervised_batch(tokenizer, rng, batch_size, min_digits, max_digits, example)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        loss = model(**batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        if len(losses) % 10 == 0:
-            bar.set_postfix(loss=f"{sum(losses[-10:]) / 10:.3f}")
 
 
 def _warm_start_key(settings: dict) -> str:
