@@ -24,7 +24,7 @@ def control_rows(results: Path, cache_dir: str, tasks: dict[str, Task], base: st
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
-    rows = []
+    rows, loaded = [], {}
     for path in sorted(Path(results).glob("*/*/seed*.json")):
         record = json.loads(path.read_text())
         control = record.get("control")
@@ -32,9 +32,11 @@ def control_rows(results: Path, cache_dir: str, tasks: dict[str, Task], base: st
         model_dir = final_model_path(cache_dir, record.get("task", ""), base, record.get("seed", -1))
         if not control or task is None or record["arm"] not in ARMS or not model_dir.is_dir():
             continue
-        _, tokenizer = task.load(cache_dir, task.warm_start_steps, False)
-        train_set, _ = task.splits(task.train_questions, task.eval_questions, cache_dir)
-        by_key = _rows_by_key(train_set)
+        if task.name not in loaded:  # the task's tokenizer and training rows, once
+            _, tokenizer = task.load(cache_dir, task.warm_start_steps, False)
+            train_set, _ = task.splits(task.train_questions, task.eval_questions, cache_dir)
+            loaded[task.name] = (tokenizer, _rows_by_key(train_set))
+        tokenizer, by_key = loaded[task.name]
         model = AutoModelForCausalLM.from_pretrained(str(model_dir))
         seed = record["seed"]
         scored = {}

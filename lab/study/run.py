@@ -57,7 +57,11 @@ def _r(x: float | None, digits: int = 4) -> float | None:
 
 
 def _evaluation(task: Task, model, tokenizer, dataset, seed: int) -> dict:
-    result = task.evaluate(model, tokenizer, dataset, task.eval_samples, seed)
+    return _summary(task.evaluate(model, tokenizer, dataset, task.eval_samples, seed))
+
+
+def _summary(result: dict) -> dict:
+    """An evaluation's overall and per-difficulty pass@1, rounded as records keep them."""
     return {
         "overall": _r(result["overall"]),
         "by_difficulty": {str(k): _r(v) for k, v in sorted(result["by_difficulty"].items())},
@@ -260,7 +264,7 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
 
     # End-of-run probes on training questions: the most replayed ones and the retired ones, warm start vs final.
     rows = _rows_by_key(train_set)
-    probes = {}
+    probes, evaluated = {}, {}  # evaluated: name -> the warm start's and the final model's evaluations (per question)
     buffer = getattr(trainer, "experience_buffer", None)
     candidates = {
         "replayed": [key for key, _ in replay_counts.most_common(PROBE_QUESTIONS)],
@@ -271,12 +275,16 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
         if not keys:
             continue
         probe_set = Dataset.from_list([rows[key] for key in keys])
+        models = (warm, trainer.model)
+        evaluated[name] = [task.evaluate(m, tokenizer, probe_set, task.eval_samples, seed) for m in models]
         probes[name] = {
             "questions": len(keys),
-            "warm_start": _evaluation(task, warm, tokenizer, probe_set, seed),
-            "final": _evaluation(task, trainer.model, tokenizer, probe_set, seed),
+            "warm_start": _summary(evaluated[name][0]),
+            "final": _summary(evaluated[name][1]),
         }
-    control = overfitting_control(task, warm, trainer.model, tokenizer, train_set, replay_counts, seed)
+    control = overfitting_control(
+        task, warm, trainer.model, tokenizer, train_set, replay_counts, seed, evaluated.get("replayed")
+    )
     save_final_model(trainer.model, final_model_path(cache_dir, task.name, arm_name, seed))
     histogram = Counter(replay_counts.values())
     # The held-out estimate's own noise: the final model evaluated again with other sampling seeds.
@@ -356,18 +364,19 @@ def matched_questions(replayed: list[tuple[str, Any, float]], candidates: list[t
 
 
 def overfitting_control(
-    task: Task, warm, final, tokenizer, train_set, replay_counts: Counter, seed: int
+    task: Task, warm, final, tokenizer, train_set, replay_counts: Counter, seed: int, replayed: list | None
 ) -> dict | None:
     """The run's `PROBE_QUESTIONS` most replayed training questions, and as many never-replayed ones matched to them
     by difficulty and warm-start pass rate (from `CONTROL_CANDIDATES` drawn with the run's seed): their keys and the
     warm start's and this run's final pass@1 on each set. Another run's final model (GRPO's, same seed) is scored on
     the same two sets by `lab.study.control`: a rise on the replayed set that the matched set or GRPO shows too is not
-    replay's doing. None when nothing was replayed."""
+    replay's doing. `replayed`: the warm start's and the final model's evaluations of the most replayed questions,
+    as the end-of-run probe made them (not made twice). None when nothing was replayed."""
     import random
 
     from datasets import Dataset
 
-    if not replay_counts:
+    if not replay_counts or replayed is None:
         return None
     rows = _rows_by_key(train_set)
     top = [key for key, _ in replay_counts.most_common(PROBE_QUESTIONS) if key in rows]
@@ -377,7 +386,8 @@ def overfitting_control(
     def rates(model, keys):
         return task.evaluate(model, tokenizer, Dataset.from_list([rows[k] for k in keys]), task.eval_samples, seed)
 
-    warm_top, warm_pool = rates(warm, top)["per_question"], rates(warm, pool)["per_question"]
+    warm_on_top, final_on_top = replayed
+    warm_top, warm_pool = warm_on_top["per_question"], rates(warm, pool)["per_question"]
     diff = task.difficulty
     matched = matched_questions(
         [(k, rows[k].get(diff), r) for k, r in zip(top, warm_top)],
@@ -389,7 +399,7 @@ def overfitting_control(
         "matched": matched,
         "warm_start": {"replayed": _r(statistics.fmean(warm_top)),
                        "matched": _r(statistics.fmean(warm_by_key[k] for k in matched)) if matched else None},
-        "final": {"replayed": _r(rates(final, top)["overall"]),
+        "final": {"replayed": _r(final_on_top["overall"]),
                   "matched": _r(rates(final, matched)["overall"]) if matched else None},
     }  # fmt: skip
 
