@@ -106,7 +106,7 @@ def fill(buffer: ExperienceBuffer, num_trajectories: int, length: int, seed: int
 
 
 def plan_fn(buffer: ExperienceBuffer, n: int, broadcast_pickle: bool, max_candidates: int | None):
-    """The main process's share of one replay plan, through the functions `ExGRPOTrainer._exgrpo_make_plan` calls
+    """The main process's share of one replay plan, through the functions `ExGRPORun.make_plan` calls
     (`exgrpo_trl.replay`): draw n questions and shortlist their candidates, pick one per question, build the plan,
     for a generation batch of 2n groups (rho = 0.5). The entropy forward pass, which runs on the accelerator, is
     replaced by zeros. With `broadcast_pickle` the drawn questions are pickled and unpickled, as torch's

@@ -37,16 +37,17 @@ from trl import GRPOConfig, GRPOTrainer
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import Trajectory, question_key
-from exgrpo_trl.utils.tiny import ALPHABET, SPECIAL_TOKENS, build_char_tokenizer, build_tiny_model
+from exgrpo_trl.tasks.toy import ALPHABET, SPECIAL_TOKENS, build_char_tokenizer, build_tiny_model
 
 CHAR_VOCAB = len(SPECIAL_TOKENS) + len(ALPHABET)  # the character tokenizer; a grown one adds fillers after it
+# label -> the method timed: the run's steps (`exgrpo_trl.run.ExGRPORun`) and the trainer's entropy scoring
 TIMED = {
-    "plan (sample + broadcast)": "_exgrpo_make_plan",
+    "plan (sample + broadcast)": "run.make_plan",
     "entropy scoring": "_exgrpo_score_entropies",
-    "splice": "_exgrpo_apply_plan",
-    "collection bookkeeping": "_exgrpo_after_scoring",
-    "behaviour log-probs": "_exgrpo_record_behaviour_logps",
-    "replay loss term": "_exgrpo_replay_loss",
+    "splice": "run.assign_rows",
+    "collection bookkeeping": "run.after_scoring",
+    "behaviour log-probs": "run.record_behaviour",
+    "replay loss term": "run.replay_term",
 }
 
 
@@ -60,7 +61,9 @@ class TimedExGRPOTrainer(ExGRPOTrainer):
         self.scored_rows: list[int] = []  # stored trajectories scored per generation batch
         self._depth = 0
         for label, name in TIMED.items():
-            setattr(self, name, self._timed(label, getattr(self, name)))
+            owner = self.exgrpo_run if name.startswith("run.") else self
+            name = name.removeprefix("run.")
+            setattr(owner, name, self._timed(label, getattr(owner, name)))
 
     def _exgrpo_score_entropies(self, prompt_ids, completion_ids, masks=None):
         self.scored_rows.append(len(completion_ids))

@@ -116,14 +116,14 @@ def logged(trainer, key: str) -> list[float]:
 
 def count_replays(trainer) -> list[int]:
     """A list that receives the number of replayed groups of each generation batch the trainer plans."""
-    counts, plan = [], trainer._exgrpo_make_plan
+    counts, plan = [], trainer.exgrpo_run.make_plan
 
     def counting(*a, **kw):
         result = plan(*a, **kw)
         counts.append(0 if result is None else len(result.group_indices))
         return result
 
-    trainer._exgrpo_make_plan = counting
+    trainer.exgrpo_run.make_plan = counting
     return counts
 
 

@@ -6,11 +6,12 @@ import importlib
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["ExGRPOConfig", "ExGRPOTrainer", "ExperienceBuffer", "__version__"]
+__all__ = ["ExGRPOConfig", "ExGRPORun", "ExGRPOTrainer", "ExperienceBuffer", "__version__"]
 
-# Lazy attributes: `import exgrpo_trl.utils.tiny` or the CLI should not pay for importing trl.
+# Lazy attributes: `import exgrpo_trl.tasks.toy` or the CLI should not pay for importing trl.
 _LAZY = {
     "ExGRPOConfig": "exgrpo_trl.config",
+    "ExGRPORun": "exgrpo_trl.run",
     "ExGRPOTrainer": "exgrpo_trl.trainer",
     "ExperienceBuffer": "exgrpo_trl.buffer",
 }
@@ -18,6 +19,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from .buffer import ExperienceBuffer
     from .config import ExGRPOConfig
+    from .run import ExGRPORun
     from .trainer import ExGRPOTrainer
 
 

@@ -8,7 +8,6 @@ import math
 import os
 from typing import Any
 
-import torch
 from trl import GRPOConfig
 
 from .config import ExGRPOConfig
@@ -24,34 +23,6 @@ IMAGE_INPUTS = (
     "ExGRPOTrainer does not support image inputs: the experience buffer keeps each question's dataset row in the "
     "checkpoint's JSON state and scores stored trajectories with text-only forward passes; train with GRPOTrainer."
 )
-
-
-def threshold_mismatch(
-    rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, solved: torch.Tensor, threshold: float, k: int
-) -> str | None:
-    """A warning when `success_reward_threshold` cannot tell rollouts apart in this batch, else None.
-
-    Rewards that vary within a group while every rollout counts as solved (a reward such as 1 + 4 * correct with the
-    default threshold 1.0), or while none does (correct answers scoring below the threshold), mean the threshold does
-    not sit between a wrong and a right answer: success counts are all K/K (or all 0), Pass@1 is wrong, and the
-    buffer stays empty. Totals as `replay.batch_outcome` computes them (NaN rewards count as 0)."""
-    total = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1).view(-1, k)
-    if not bool((total.amax(dim=1) > total.amin(dim=1)).any()):
-        return None  # no group tells rollouts apart: nothing to judge the threshold by
-    low, high = total.min().item(), total.max().item()
-    if bool(solved.all()):
-        what = "every rollout of this batch counts as solved"
-        effect = "batch Pass@1 reads 1.0, every question is retired and the experience buffer stays empty"
-    elif not bool(solved.any()):
-        what = "no rollout of this batch counts as solved"
-        effect = "nothing is stored in the experience buffer and the delayed start cannot be reached"
-    else:
-        return None
-    return (
-        f"ExGRPO: {what} (weighted total reward >= success_reward_threshold={threshold:g}), yet rewards vary within "
-        f"groups (from {low:g} to {high:g}): {effect}. Set success_reward_threshold to the weighted total reward of a "
-        f"correct answer (here perhaps {high:g})."
-    )
 
 
 def replay_never_fires(cfg: ExGRPOConfig) -> str | None:

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from .buffer import question_key
+
 OFFLINE_GUIDANCE = ("all_groups", "unsolved")
 
 
@@ -88,6 +90,57 @@ class OfflineGuide:
             return index, ids
         return None
 
+    active = True  # `NoOfflineGuide` is the guide of a run without offline guidance
+    last_rows = 0  # offline rows (every rank's) in the last training generation batch: never generated
+
+    def add_rows(self, rows, plan, *, process_index: int, k: int, retired: set[str] | frozenset = frozenset()) -> None:
+        """Give each fresh group's first row held here its question's solution (`offline_rows`), spliced in place of
+        a generated completion as a replayed group's stored trajectory is. `rows`: this rank's `RowAssignment`."""
+        chosen = offline_rows(
+            rows.inputs,
+            self,
+            [question_key(x["prompt"]) for x in rows.inputs],
+            replayed_groups=plan.group_indices if plan is not None else (),
+            process_index=process_index,
+            k=k,
+            retired=retired,
+        )
+        for local, (row, ids) in chosen.items():
+            rows.splice[local] = ids
+            rows.offline[local] = row
+
+    def judge(
+        self, rows, outcome, advantages: torch.Tensor, gather_objects: Callable[[list], list]
+    ) -> dict[str, float]:
+        """After the reward functions have scored the batch: every rank learns every offline row's verdict (one
+        collective, `gather_objects`), a solution scored unsolved is rejected for good and its row gets advantage 0
+        (no gradient; it leaves the replayed-token term), and the batch's Pass@1 (the delayed start's) counts generated
+        rows only. `rows`: this rank's `RowAssignment`; `outcome`: the batch's `BatchOutcome`. Returns the batch's
+        figures."""
+        solved = outcome.solved.tolist()  # one copy to the host, not one per row
+        local_rows = [(row.key, row.index, row.global_row) for row in rows.offline.values()]
+        everything = [row for rank_rows in gather_objects([local_rows]) for row in rank_rows]
+        verdicts = offline_verdicts(everything, solved)
+        self.rejected.update(verdicts.unsolved)
+        self.last_rows = len(everything)
+        for local, row in list(rows.offline.items()):
+            if not solved[row.global_row]:
+                advantages[local] = 0.0
+                del rows.offline[local]
+        outcome.pass_at_1 = verdicts.pass_at_1
+        return {
+            "offline/groups": len(everything) / max(1, len(outcome.successes)),
+            "offline/unsolved": len(verdicts.unsolved),
+        }
+
+    def gauges(self) -> dict[str, float]:
+        """Counts logged as their value, never a window mean."""
+        return {"offline/rejected": float(len(self.rejected))}
+
+    def note_self_solved(self, keys) -> None:
+        """Questions with an on-policy success now stored (the `unsolved` rule)."""
+        self.self_solved.update(keys)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "rejected": sorted([key, index] for key, index in self.rejected),
@@ -97,6 +150,32 @@ class OfflineGuide:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rejected = {(key, int(index)) for key, index in state.get("rejected", [])}
         self.self_solved = set(state.get("self_solved", []))
+
+
+class NoOfflineGuide:
+    """The guide of a run without offline guidance: no row gets a solution, nothing is judged, logged or saved."""
+
+    active = False
+    last_rows = 0
+    too_long: frozenset = frozenset()
+
+    def add_rows(self, rows, plan, **_) -> None:
+        pass
+
+    def judge(self, rows, outcome, advantages, gather_objects) -> dict[str, float]:
+        return {}
+
+    def gauges(self) -> dict[str, float]:
+        return {}
+
+    def note_self_solved(self, keys) -> None:
+        pass
+
+    def state_dict(self) -> None:
+        return None  # nothing in the checkpoint
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
 @dataclass

@@ -16,6 +16,7 @@ One generation batch, in order:
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Sequence
@@ -171,6 +172,47 @@ def assign_rows(inputs: Sequence[dict], plan: ReplayPlan | None, *, process_inde
     return RowAssignment(inputs, replay_rows, splice)
 
 
+def merge_spliced(
+    num_rows: int, generated: Sequence[int], completion_ids: list, logprobs: list | None, splice: dict[int, list[int]]
+) -> tuple[list, list | None]:
+    """All `num_rows` rows of one turn: the `generated` rows' sampled completions (in that order) and each spliced
+    row's stored ids. A spliced row's sampling log-probs are unknown (None: NaN in TRL, and NaN an importance ratio of
+    exactly 1, so vLLM's sampling correction leaves the row alone; its own weight is applied in the loss)."""
+    ids: list = [None] * num_rows
+    out_logprobs = None if logprobs is None else [None] * num_rows
+    for j, i in enumerate(generated):
+        ids[i] = completion_ids[j]
+        if out_logprobs is not None:
+            out_logprobs[i] = logprobs[j]
+    for row, stored in splice.items():
+        ids[row] = list(stored)
+        if out_logprobs is not None:
+            out_logprobs[row] = [None] * len(stored)
+    return ids, out_logprobs
+
+
+def splice_rollout(output: dict[str, Any], rows: RowAssignment, plan: ReplayPlan) -> dict[str, Any]:
+    """A rollout function's output with each reserved row replaced by its stored trajectory: token ids, model mask
+    (`env_mask`, created for every row if the function returned none), the per-row fields the function returned for
+    it when it was stored, and unknown sampling log-probs (as in `merge_spliced`)."""
+    n = len(output["completion_ids"])
+    output = {key: list(value) if isinstance(value, list) else value for key, value in output.items()}
+    completion_ids, logprobs = output["completion_ids"], output["logprobs"]
+    if output.get("env_mask") is None and any(m is not None for m in plan.masks):
+        output["env_mask"] = [[1] * len(ids) for ids in completion_ids]
+    for row in rows.splice:
+        j = rows.replay_rows[row]
+        completion_ids[row] = list(plan.completion_ids[j])
+        if logprobs is not None:
+            logprobs[row] = [None] * len(completion_ids[row])
+        if output.get("env_mask") is not None:
+            output["env_mask"][row] = plan.mask(j)
+        for key, value in plan.record(j).get("fields", {}).items():
+            if isinstance(output.get(key), list) and len(output[key]) == n:
+                output[key][row] = copy.deepcopy(value)
+    return output
+
+
 # ------------------------------------------------------------------------------------------------ 4. outcome
 @dataclass
 class BatchOutcome:
@@ -189,6 +231,34 @@ def batch_outcome(
     total = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)  # (N,)
     solved = (total >= threshold) & ~torch.isnan(rewards_per_func).all(dim=1)  # (N,)
     return BatchOutcome(solved, solved.view(-1, k).sum(dim=1).tolist(), solved.float().mean().item())
+
+
+def threshold_mismatch(
+    rewards_per_func: torch.Tensor, reward_weights: torch.Tensor, solved: torch.Tensor, threshold: float, k: int
+) -> str | None:
+    """A warning when `success_reward_threshold` cannot tell rollouts apart in this batch, else None.
+
+    Rewards that vary within a group while every rollout counts as solved (a reward such as 1 + 4 * correct with the
+    default threshold 1.0), or while none does (correct answers scoring below the threshold), mean the threshold does
+    not sit between a wrong and a right answer: success counts are all K/K (or all 0), Pass@1 is wrong, and the
+    buffer stays empty. Totals as `batch_outcome` computes them (NaN rewards count as 0)."""
+    total = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1).view(-1, k)
+    if not bool((total.amax(dim=1) > total.amin(dim=1)).any()):
+        return None  # no group tells rollouts apart: nothing to judge the threshold by
+    low, high = total.min().item(), total.max().item()
+    if bool(solved.all()):
+        what = "every rollout of this batch counts as solved"
+        effect = "batch Pass@1 reads 1.0, every question is retired and the experience buffer stays empty"
+    elif not bool(solved.any()):
+        what = "no rollout of this batch counts as solved"
+        effect = "nothing is stored in the experience buffer and the delayed start cannot be reached"
+    else:
+        return None
+    return (
+        f"ExGRPO: {what} (weighted total reward >= success_reward_threshold={threshold:g}), yet rewards vary within "
+        f"groups (from {low:g} to {high:g}): {effect}. Set success_reward_threshold to the weighted total reward of a "
+        f"correct answer (here perhaps {high:g})."
+    )
 
 
 # ------------------------------------------------------------------------------------------------ 5. collection

@@ -20,8 +20,8 @@ By difficulty 2/3/4: mean 17.4/16.2/15.5.
 - `countdown_reward`: the verifier, a small recursive-descent parser (never `eval`), TRL reward-function shaped.
 - `countdown_dataset` / `countdown_splits`: solvable questions, each with one valid ``answer`` and a difficulty;
   a fixed quarter of all questions (`is_held_out`) is kept out of the warm start and makes up eval sets.
-- `countdown_warm_start`, `evaluate_countdown`, `distinct_correct`: `toy`'s cached supervised warm start and
-  sampled pass@1 evaluation with countdown's alphabet, examples and verifier.
+- `countdown_warm_start`, `evaluate_countdown`, `distinct_correct`: the lab's cached supervised warm start
+  (`lab.warm_start`) and `toy`'s sampled pass@1 evaluation with countdown's alphabet, examples and verifier.
 
 Two calibrated warm starts (`COUNTDOWN_WARM_START`, measured figures there): "medium" (2,000 supervised steps,
 held-out pass@1 about 0.40, .64/.37/.22 by difficulty) and "weak" (200 steps, about 0.09). Calibration:
@@ -41,16 +41,9 @@ from pathlib import Path
 
 from datasets import Dataset
 
-from exgrpo_trl.utils.tiny import (
-    ALPHABET,
-    EOS,
-    SupervisedTask,
-    _completion_text,
-    evaluate_pass_at_1,
-    load_or_train_warm_start,
-    log_accuracy_by,
-    warm_start_is_cached,
-)
+from exgrpo_trl.tasks.toy import ALPHABET, EOS, _completion_text, evaluate_pass_at_1, log_accuracy_by
+
+from .warm_start import SupervisedTask, load_or_train_warm_start, warm_start_is_cached
 
 __all__ = [
     "MAX_EXPRESSION_CHARS",
@@ -452,7 +445,8 @@ def countdown_pool_splits(n_train: int, n_eval: int, *, cache_dir=None, seed: in
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Tokenizer, warm start, evaluation (the addition task's machinery in `toy`, with countdown's pieces)
+# Tokenizer, warm start, evaluation (the addition task's machinery in `toy` and `lab.warm_start`, with countdown's
+# pieces)
 # --------------------------------------------------------------------------------------------------------------
 # Appended after addition's alphabet, so "0-9 + =" keep their addition ids: 22 tokens with the four specials.
 COUNTDOWN_ALPHABET = ALPHABET + tuple("-*(),:")
@@ -473,7 +467,7 @@ def countdown_warm_start(cache_dir, start: str | int = "medium", *, seed: int = 
     """A (model, tokenizer) warm-started on countdown, trained once and then loaded from `cache_dir`.
 
     `start` names a calibrated start in `COUNTDOWN_WARM_START` ("medium", "weak") or gives the number of supervised
-    steps. `toy.load_or_train_warm_start` with `COUNTDOWN_TASK` and `COUNTDOWN_MODEL`; `kwargs` override its
+    steps. `lab.warm_start.load_or_train_warm_start` with `COUNTDOWN_TASK` and `COUNTDOWN_MODEL`; `kwargs` override its
     settings (batch_size, lr, model shape, ...).
     """
     steps = COUNTDOWN_WARM_START[start] if isinstance(start, str) else int(start)

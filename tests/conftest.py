@@ -14,15 +14,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from exgrpo_trl.utils.tiny import build_char_tokenizer
+    from exgrpo_trl.tasks.toy import build_char_tokenizer
 
     return build_char_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
-    """A saved tiny toy model and its char tokenizer (exgrpo_trl.utils.tiny), loadable by name like a Hub model."""
-    from exgrpo_trl.utils.tiny import build_tiny_model_dir
+    """A saved tiny toy model and its char tokenizer (exgrpo_trl.tasks.toy), loadable by name like a Hub model."""
+    from exgrpo_trl.tasks.toy import build_tiny_model_dir
 
     return build_tiny_model_dir(tmp_path_factory.mktemp("tiny"))
 

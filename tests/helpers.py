@@ -45,7 +45,7 @@ def make_reward_model(tokenizer):
 
 
 def make_model(tokenizer, seed: int = 0):
-    from exgrpo_trl.utils.tiny import build_tiny_model
+    from exgrpo_trl.tasks.toy import build_tiny_model
 
     return build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, seed=seed)
 
@@ -101,13 +101,16 @@ def make_trainer(
     train_dataset=None,
     callbacks=None,
     peft_config=None,
+    trainer_kwargs=None,
     **config,
 ):
     """The one way the tests build a trainer: `cls` (default ExGRPOTrainer; TRL's GRPOTrainer, or a subclass of
     either) on the tiny model (`make_model`, seed `model_seed`), the synthetic reward and dataset unless given, with
     `config_kwargs(tmp_path, **config)`: an ExGRPOConfig for ExGRPOTrainer and its subclasses, a GRPOConfig otherwise
-    (ExGRPO's own fields are then an error, as they would be for GRPOConfig). `model` may be a model or a path;
-    `callbacks` and `peft_config` go to the trainer."""
+    (ExGRPO's own fields are then an error, as they would be for GRPOConfig). `tokenizer` is the processing class;
+    `model` may be a model or a path; `reward_funcs=[]` gives none (an environment that owns its reward);
+    `callbacks`, `peft_config` and `trainer_kwargs` (the constructor's other keywords: `tools`,
+    `environment_factory`, `rollout_func`, `eval_dataset`, a subclass's own, ...) go to the trainer."""
     from trl import GRPOConfig
 
     from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
@@ -122,6 +125,7 @@ def make_trainer(
         processing_class=tokenizer,
         callbacks=callbacks,
         peft_config=peft_config,
+        **(trainer_kwargs or {}),
     )
 
 
@@ -132,8 +136,8 @@ def toy_recipe_args(toy_dir, out) -> list[str]:
 
 
 def write_toy_dir(out, **model_kwargs):
-    """A tiny model + char tokenizer and the toy task, written the way `python -m exgrpo_trl.utils.tiny --out` does."""
-    from exgrpo_trl.utils.tiny import addition_splits, build_tiny_model_dir
+    """A tiny model + char tokenizer and the toy task, written the way `python -m exgrpo_trl.tasks.toy --out` does."""
+    from exgrpo_trl.tasks.toy import addition_splits, build_tiny_model_dir
 
     build_tiny_model_dir(out, **model_kwargs)
     train, eval_ = addition_splits(64, 8, seed=0)

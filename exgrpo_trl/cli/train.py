@@ -460,7 +460,7 @@ def train(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args:
 
 def _train_in(script_args: ScriptArguments, training_args: ExGRPOConfig, model_args: ModelConfig) -> int:
     """`train` once the arguments are checked and `output_dir` is a writable folder."""
-    from ..trainer import ExGRPOTrainer
+    from ..trainer import ExGRPOTrainer, save_without_push
     from ..utils.hub import is_peft_trainer, push_trained_model
 
     _setup_logging(training_args)
@@ -539,9 +539,7 @@ def _train_in(script_args: ScriptArguments, training_args: ExGRPOConfig, model_a
     trainer.save_metrics("train", metrics)
     trainer.save_state()
 
-    # _internal_call: with push_to_hub set, Trainer.save_model would also push (a first commit); the push below is the
-    # only one.
-    trainer.save_model(training_args.output_dir, _internal_call=True)
+    save_without_push(trainer, training_args.output_dir)  # the push below is the only one
     logger.info("Model saved to %s", training_args.output_dir)
     card_kwargs = {
         "model_name": (training_args.hub_model_id or Path(training_args.output_dir).name).split("/")[-1],

@@ -5,7 +5,7 @@
   without ``</think>`` has no answer section and scores 0 (``MathVerifier(require_think_end=False)`` scores its whole
   text instead). The reference answer is parsed as ``$answer$``, as LUFFY's evaluation script does.
 - ``toy_addition``: exact match for the toy addition task of the tiny CPU kit
-  (`exgrpo_trl.utils.tiny.addition_reward`).
+  (`exgrpo_trl.tasks.toy.addition_reward`).
 
 Any other ``module:function`` path is imported as is, so a recipe can use a reward function of its own: the module is
 looked up where Python looks, then in the current folder (``reward_funcs: [myrewards:fn]`` finds ``./myrewards.py``).
@@ -372,7 +372,7 @@ def math_reward(completions: Sequence[Any], answer: Sequence[Any] | None = None,
 # name -> "module:function", imported on first use (the toy reward pulls in torch; math_verify pulls in sympy).
 REWARD_FUNCS: dict[str, str] = {
     "math_verify": "exgrpo_trl.tasks.rewards:math_reward",
-    "toy_addition": "exgrpo_trl.utils.tiny:addition_reward",
+    "toy_addition": "exgrpo_trl.tasks.toy:addition_reward",
 }
 
 

@@ -121,12 +121,13 @@ def push_trained_model(
         )
 
     # The same steps as Trainer.push_to_hub, with the merged model as what is uploaded.
+    from ..trainer import finish_pending_push, save_without_push  # the private names of Trainer it takes
+
     token = token if token is not None else trainer.args.hub_token
     if trainer.hub_model_id is None:
         trainer.init_hf_repo(token=token, private=private)
     output_dir = trainer.args.output_dir
-    # The adapter; collective under ZeRO-3. _internal_call: as in Trainer.push_to_hub, saving does not push by itself.
-    trainer.save_model(output_dir, _internal_call=True)
+    save_without_push(trainer, output_dir)  # the adapter; collective under ZeRO-3
     if not trainer.is_world_process_zero():
         return None
     tags = tags or []
@@ -134,7 +135,7 @@ def push_trained_model(
         if tag not in tags:
             tags.append(tag)
     trainer.create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
-    trainer._finish_current_push()  # a checkpoint upload still in flight would race with this commit
+    finish_pending_push(trainer)
 
     init_kwargs = trainer.args.model_init_kwargs or {}
     base_kwargs = {k: init_kwargs[k] for k in _BASE_MODEL_KWARGS if init_kwargs.get(k) is not None}

@@ -57,25 +57,25 @@ class Task:
 
 
 def _addition_load(cache_dir, warm_start_steps, progress):
-    from exgrpo_trl.utils.tiny import load_or_train_warm_start
+    from ..warm_start import load_or_train_warm_start
 
     return load_or_train_warm_start(cache_dir, steps=warm_start_steps, seed=0, progress=progress, **TOY_MODEL)
 
 
 def _addition_splits(n_train, n_eval, cache_dir=None):
-    from exgrpo_trl.utils.tiny import addition_splits
+    from exgrpo_trl.tasks.toy import addition_splits
 
     return addition_splits(n_train, n_eval, seed=0)
 
 
 def _addition_reward(completions, answer, **kwargs):
-    from exgrpo_trl.utils.tiny import addition_reward
+    from exgrpo_trl.tasks.toy import addition_reward
 
     return addition_reward(completions, answer, **kwargs)
 
 
 def _addition_evaluate(model, tokenizer, dataset, samples, seed):
-    from exgrpo_trl.utils.tiny import evaluate_pass_at_1
+    from exgrpo_trl.tasks.toy import evaluate_pass_at_1
 
     result = evaluate_pass_at_1(model, tokenizer, dataset, samples=samples, seed=seed, progress=False)
     return {"overall": result["overall"], "by_difficulty": result["by_digits"], "per_question": result["per_question"]}

@@ -70,7 +70,8 @@ def test_plan_picks_the_extreme_entropy(trainer, tokenizer, selection):
         [Trajectory(np.array(c), np.full(len(c), -1.0 - i), 0) for i, c in enumerate(candidates)],
     )
     trainer.exgrpo_state["replay_active"] = True
-    plan = trainer._exgrpo_make_plan(num_local=32)  # 4 groups: n_exp = min(1, floor(0.5 * 4)) = 1
+    # 4 groups: n_exp = min(1, floor(0.5 * 4)) = 1
+    plan = trainer.exgrpo_run.make_plan(4, trainer._exgrpo_score_candidates)
     assert plan.group_indices == [3]
     assert plan.completion_ids == [candidates[expected]]
     assert torch.equal(plan.behaviour_logps[0], torch.full((len(candidates[expected]),), -1.0 - expected))
@@ -114,7 +115,7 @@ def test_candidate_cap_scores_the_shortlist(trainer, tokenizer, cap, selection, 
         [Trajectory(np.array(c), np.full(len(c), -nll[i]), 0) for i, c in enumerate(candidates)],
     )
     trainer.exgrpo_state["replay_active"] = True
-    plan = trainer._exgrpo_make_plan(num_local=32)
+    plan = trainer.exgrpo_run.make_plan(4, trainer._exgrpo_score_candidates)
     assert plan.completion_ids == [candidates[expected]]
     assert torch.equal(plan.behaviour_logps[0], torch.full((len(candidates[expected]),), -nll[expected]))
     # one candidate needs no scoring; otherwise exactly the shortlist is scored
@@ -145,6 +146,6 @@ def test_random_selection_ignores_the_cap(trainer, tokenizer, monkeypatch):
     monkeypatch.setattr(buffer, "choose_random", lambda n: asked.append(n) or n - 2)
     never = lambda p, c, m=None: pytest.fail("random selection scored")  # noqa: E731
     monkeypatch.setattr(trainer, "_exgrpo_score_entropies", never)
-    plan = trainer._exgrpo_make_plan(num_local=32)
+    plan = trainer.exgrpo_run.make_plan(4, trainer._exgrpo_score_candidates)
     assert asked == [5]  # drawn over all 5 stored trajectories, not over a shortlist of 1
     assert plan.completion_ids == [candidates[3]]  # index n - 2 = 3

@@ -337,7 +337,7 @@ def two_threads(monkeypatch):
 def test_toy_warm_start_runs_on_one_thread(tmp_path, monkeypatch, two_threads):
     """On a busy 2-core machine 2 threads made the warm start 5-17 times slower (docs/performance.md); one thread
     unless OMP_NUM_THREADS or --threads says otherwise."""
-    from exgrpo_trl.utils import tiny as toy
+    from exgrpo_trl.tasks import toy
 
     argv = [
         "--out",

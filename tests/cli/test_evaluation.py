@@ -570,7 +570,7 @@ def test_eval_subcommand_is_registered(capsys):
 # In-training validation
 # ---------------------------------------------------------------------------------------------------------------
 def _toy_validation_set(n: int = 4) -> LoadedBenchmark:
-    from exgrpo_trl.utils.tiny import addition_dataset
+    from exgrpo_trl.tasks.toy import addition_dataset
 
     rows = addition_dataset(n, max_digits=2, seed=5)
     questions = [EvalQuestion(str(i), p, [a]) for i, (p, a) in enumerate(zip(rows["prompt"], rows["answer"]))]
@@ -689,7 +689,7 @@ def test_validation_scores_are_the_graders(tmp_path, tokenizer, monkeypatch):
 def test_train_script_wires_validation(tmp_path):
     """`exgrpo train` with validation_dataset: eval/<name>/accuracy lands in trainer_state.json every N steps."""
     from exgrpo_trl.cli.train import parse_args, train
-    from exgrpo_trl.utils.tiny import addition_splits, build_tiny_model_dir
+    from exgrpo_trl.tasks.toy import addition_splits, build_tiny_model_dir
 
     toy = tmp_path / "toy"
     build_tiny_model_dir(toy)

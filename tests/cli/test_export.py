@@ -187,7 +187,7 @@ def test_seeding_with_the_same_tokenizer_restores_the_buffer(run, tmp_path, toke
 def test_seeding_with_another_tokenizer_retokenizes_as_offline(run, tmp_path, caplog):
     from datasets import load_from_disk
 
-    from exgrpo_trl.utils.tiny import ALPHABET, build_char_tokenizer
+    from exgrpo_trl.tasks.toy import ALPHABET, build_char_tokenizer
 
     other = build_char_tokenizer(alphabet=ALPHABET + ("x",))
     assert tokenizer_fingerprint(other) != read_export_meta(run["out"])["tokenizer"]["fingerprint"]

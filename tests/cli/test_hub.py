@@ -206,7 +206,7 @@ def test_train_cli_rejects_merge_without_peft(tmp_path):
 
 def test_train_cli_pushes_merged_lora(tmp_path, hub):
     from exgrpo_trl.cli import train as train_module
-    from exgrpo_trl.utils.tiny import addition_splits, build_tiny_model_dir
+    from exgrpo_trl.tasks.toy import addition_splits, build_tiny_model_dir
 
     toy = tmp_path / "toy"
     build_tiny_model_dir(toy, hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128)

@@ -318,7 +318,7 @@ def test_tiny_cpu_recipe_settings():
     # the 4-head model and a 2,000-step warm start, past the sharp transition at which multi-digit sums are learned
     # (1,500 steps landed on either side of it on different machines); replay from the first batch whatever the
     # warm start reached, so that the recipe cannot hang below the paper's delayed start
-    assert "python -m exgrpo_trl.utils.tiny --out outputs/tiny-toy --num-heads 4 --warm-start-steps 2000" in header(
+    assert "python -m exgrpo_trl.tasks.toy --out outputs/tiny-toy --num-heads 4 --warm-start-steps 2000" in header(
         ROOT / "recipes" / "tiny_cpu.yaml"
     )
     assert args.replay_start_pass_rate == 0.0

@@ -190,7 +190,7 @@ def test_an_outer_interval_timer_survives():
 # Registry
 # ---------------------------------------------------------------------------------------------------------------
 def test_registry_by_name_and_by_path():
-    from exgrpo_trl.utils.tiny import addition_reward
+    from exgrpo_trl.tasks.toy import addition_reward
 
     funcs = get_reward_funcs(["math_verify", "toy_addition", "exgrpo_trl.tasks.rewards:math_reward"])
     assert funcs == [math_reward, addition_reward, math_reward]

@@ -11,7 +11,7 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
-from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import config_kwargs, make_model, make_reward, make_trainer, synthetic_dataset
 
 GRPO_CONFIG_MESSAGE = (
     "ExGRPOTrainer needs an ExGRPOConfig, got a GRPOConfig. Convert it with "
@@ -22,7 +22,7 @@ GRPO_CONFIG_MESSAGE = (
 
 def test_plain_grpo_config_error_points_to_the_conversion(tmp_path, tokenizer):
     with pytest.raises(TypeError) as info:
-        ExGRPOTrainer(
+        ExGRPOTrainer(  # by hand: a GRPOConfig for ExGRPOTrainer, the mistake under test (make_trainer pairs them)
             model=make_model(tokenizer),
             reward_funcs=make_reward(tokenizer),
             args=GRPOConfig(**config_kwargs(tmp_path)),
@@ -74,23 +74,15 @@ def test_from_grpo_config_takes_exgrpo_fields_only(tmp_path):
 def test_converted_config_trains_like_the_original(tmp_path, tokenizer):
     """Two optimizer steps per generation batch, set through steps_per_generation: with replay off, ExGRPOTrainer on
     the converted config ends with GRPOTrainer's parameters on the original, bitwise."""
-    grpo_args = GRPOConfig(
-        **config_kwargs(tmp_path, max_steps=2, per_device_train_batch_size=16, steps_per_generation=2)
-    )
-    dataset, reward = synthetic_dataset(), make_reward(tokenizer)
-    grpo = GRPOTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=reward,
-        args=grpo_args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
+    grpo = make_trainer(
+        tmp_path, tokenizer, cls=GRPOTrainer, max_steps=2, per_device_train_batch_size=16, steps_per_generation=2
     )
     grpo.train()
-    ex = ExGRPOTrainer(
+    ex = ExGRPOTrainer(  # by hand: its config is the conversion under test, not one make_trainer builds
         model=make_model(tokenizer),
-        reward_funcs=reward,
-        args=ExGRPOConfig.from_grpo_config(grpo_args, replay_ratio=0.0),
-        train_dataset=dataset,
+        reward_funcs=make_reward(tokenizer),
+        args=ExGRPOConfig.from_grpo_config(grpo.args, replay_ratio=0.0),
+        train_dataset=synthetic_dataset(),
         processing_class=tokenizer,
     )
     assert (ex.args.generation_batch_size, ex.args.steps_per_generation) == (32, 2)
@@ -102,21 +94,15 @@ def test_converted_config_trains_like_the_original(tmp_path, tokenizer):
 @pytest.mark.parametrize("where", ["train_dataset", "eval_dataset", "eval_dataset['math']"])
 def test_dataset_without_prompt_column_is_named_at_init(tmp_path, tokenizer, where):
     no_prompt = Dataset.from_dict({"question": ["1+1="], "answer": ["2"]})
-    kwargs = {"train_dataset": synthetic_dataset()}
+    train_dataset, extra = None, {}  # None: make_trainer's synthetic dataset
     if where == "train_dataset":
-        kwargs["train_dataset"] = no_prompt
+        train_dataset = no_prompt
     elif where == "eval_dataset":
-        kwargs["eval_dataset"] = no_prompt
+        extra["eval_dataset"] = no_prompt
     else:
-        kwargs["eval_dataset"] = {"math": no_prompt, "other": synthetic_dataset()}
+        extra["eval_dataset"] = {"math": no_prompt, "other": synthetic_dataset()}
     with pytest.raises(ValueError) as info:
-        ExGRPOTrainer(
-            model=make_model(tokenizer),
-            reward_funcs=make_reward(tokenizer),
-            args=ExGRPOConfig(**config_kwargs(tmp_path)),
-            processing_class=tokenizer,
-            **kwargs,
-        )
+        make_trainer(tmp_path, tokenizer, train_dataset=train_dataset, trainer_kwargs=extra)
     assert str(info.value) == (
         f"{where} has no 'prompt' column (its columns: 'question', 'answer'); GRPOTrainer and ExGRPOTrainer read each "
         "question from 'prompt': rename the question column, e.g. `dataset.rename_column('question', 'prompt')`."
@@ -128,12 +114,8 @@ def test_an_output_dir_that_is_a_file_is_one_clear_error(tmp_path, tokenizer):
     model had been set up; now the same one line as `exgrpo train`, before anything loads."""
     taken = tmp_path / "out"
     taken.write_text("a file where the run's folder should be")
-    args = ExGRPOConfig(**config_kwargs(tmp_path))
     with pytest.raises(NotADirectoryError, match=r"^output_dir .*out is a file, not a folder; give a folder"):
-        ExGRPOTrainer(
-            model=make_model(tokenizer), reward_funcs=make_reward(tokenizer), args=args,
-            train_dataset=synthetic_dataset(), processing_class=tokenizer,
-        )  # fmt: skip
+        make_trainer(tmp_path, tokenizer)
     assert taken.read_text() == "a file where the run's folder should be"
 
 
@@ -145,10 +127,6 @@ def test_a_missing_logger_is_one_line_before_any_work(tmp_path, tokenizer):
     missing = [name for name in ("wandb", "trackio") if importlib.util.find_spec(name) is None]
     if not missing:
         pytest.skip("every logger is installed here")
-    args = ExGRPOConfig(**config_kwargs(tmp_path, report_to=missing[0]))
     with pytest.raises(ImportError, match=rf"^report_to: {missing[0]} needs {missing[0]}, which is not installed"):
-        ExGRPOTrainer(
-            model=make_model(tokenizer), reward_funcs=make_reward(tokenizer), args=args,
-            train_dataset=synthetic_dataset(), processing_class=tokenizer,
-        )  # fmt: skip
+        make_trainer(tmp_path, tokenizer, report_to=missing[0])
     assert not (tmp_path / "out").exists()  # nothing written

@@ -8,11 +8,10 @@ import logging
 import pytest
 import torch
 
-from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import ExperienceBuffer
-from exgrpo_trl.checks import threshold_mismatch
+from exgrpo_trl.replay import threshold_mismatch
 from exgrpo_trl.state import load_state
-from tests.helpers import config_kwargs, make_model, make_reward, make_trainer, synthetic_dataset
+from tests.helpers import make_reward, make_trainer, synthetic_dataset
 
 ALL_SOLVED = (
     "ExGRPO: every rollout of this batch counts as solved (weighted total reward >= success_reward_threshold=1), yet "
@@ -73,35 +72,19 @@ def test_always_solved_reward_warns_once(tmp_path, tokenizer, caplog):
     assert fixed.experience_buffer.num_questions > 0
 
 
-def _saved_run(tmp_path, tokenizer, **overrides):
-    kwargs = config_kwargs(
-        tmp_path, max_steps=2, save_strategy="steps", save_steps=2, replay_start_pass_rate=0.0, **overrides
-    )
-    trainer = ExGRPOTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(**kwargs),
-        train_dataset=synthetic_dataset(),
-        processing_class=tokenizer,
-    )
-    trainer.train()
-    return trainer, kwargs
+# two steps replaying from the first, saved at the second (OUT/out/checkpoint-2)
+SAVED = dict(max_steps=2, save_strategy="steps", save_steps=2, replay_start_pass_rate=0.0)
 
 
 def test_resume_with_other_replay_settings_uses_the_config(tmp_path, tokenizer, caplog):
     """The buffer's contents and random state come from the checkpoint, its settings from the run's config (they used
     to be silently replaced by the saved ones while the model card reported the new ones), with one line saying so."""
-    saved, kwargs = _saved_run(tmp_path, tokenizer)
+    saved = make_trainer(tmp_path, tokenizer, **SAVED)
+    saved.train()
     checkpoint = tmp_path / "out" / "checkpoint-2"
     assert saved.experience_buffer.num_questions > 0
     changed = dict(question_selection="uniform", replay_mu=0.25, replay_sigma=2.0)
-    resumed = ExGRPOTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(**{**kwargs, **changed, "max_steps": 3}),
-        train_dataset=synthetic_dataset(),
-        processing_class=tokenizer,
-    )
+    resumed = make_trainer(tmp_path, tokenizer, **{**SAVED, **changed, "max_steps": 3})
     restored = []  # the buffer as the resume left it, before training goes on
     load = resumed._load_optimizer_and_scheduler
     resumed._load_optimizer_and_scheduler = lambda c: (
@@ -131,29 +114,17 @@ def test_resume_with_other_replay_settings_uses_the_config(tmp_path, tokenizer, 
 
 
 def test_resume_with_the_same_settings_says_nothing(tmp_path, tokenizer, caplog):
-    _, kwargs = _saved_run(tmp_path, tokenizer)
-    resumed = ExGRPOTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(**kwargs),
-        train_dataset=synthetic_dataset(),
-        processing_class=tokenizer,
-    )
+    make_trainer(tmp_path, tokenizer, **SAVED).train()
+    resumed = make_trainer(tmp_path, tokenizer, **SAVED)
     with caplog.at_level(logging.WARNING):
         resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     assert not [r for r in caplog.records if "other replay settings" in r.getMessage()]
 
 
 def test_resume_with_other_num_generations_fails_clearly(tmp_path, tokenizer):
-    _, kwargs = _saved_run(tmp_path, tokenizer)
+    make_trainer(tmp_path, tokenizer, **SAVED).train()
     checkpoint = tmp_path / "out" / "checkpoint-2"
-    resumed = ExGRPOTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(**{**kwargs, "num_generations": 4}),
-        train_dataset=synthetic_dataset(),
-        processing_class=tokenizer,
-    )
+    resumed = make_trainer(tmp_path, tokenizer, **SAVED, num_generations=4)
     with pytest.raises(ValueError) as info:
         resumed.train(resume_from_checkpoint=str(checkpoint))
     assert str(info.value) == (

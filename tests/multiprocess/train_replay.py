@@ -40,8 +40,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np
 import torch
 
-from exgrpo_trl import ExGRPOConfig
-from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import make_model, make_reward, make_trainer, synthetic_dataset
 from tests.support.recording import RecordingTrainer, buffer_summary, plan_digest
 
 
@@ -100,7 +99,7 @@ def tool_setup():
 
 
 def build(out: Path, args, max_steps: int, break_padding: bool = False) -> RecordingTrainer:
-    from exgrpo_trl.utils.tiny import build_char_tokenizer
+    from exgrpo_trl.tasks.toy import build_char_tokenizer
 
     if args.tools:
         tokenizer, model, dataset, reward, extra = tool_setup()
@@ -111,8 +110,14 @@ def build(out: Path, args, max_steps: int, break_padding: bool = False) -> Recor
         if args.offline:  # a 2-character solution (solved), every fourth a 7-character one (rejected)
             solutions = [["1234567"] if i % 4 == 1 else ["12"] for i in range(len(dataset))]
             dataset = dataset.add_column("solution", solutions)
-    kwargs = config_kwargs(
+    return make_trainer(
         out,
+        tokenizer,
+        cls=RecordingTrainer,
+        model=model,
+        reward_funcs=reward,
+        train_dataset=dataset,
+        trainer_kwargs={"break_padding": break_padding, **extra},
         per_device_train_batch_size=6,  # 12 rows per rank per generation batch: the middle group spans both ranks
         steps_per_generation=2,
         num_generations=8,
@@ -127,16 +132,6 @@ def build(out: Path, args, max_steps: int, break_padding: bool = False) -> Recor
         **({"max_completion_length": 32, "learning_rate": 1e-3} if args.tools else {}),
         **({"offline_solutions_column": "solution"} if args.offline else {}),
     )
-    trainer = RecordingTrainer(
-        model=model,
-        reward_funcs=reward,
-        args=ExGRPOConfig(**kwargs),
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        break_padding=break_padding,
-        **extra,
-    )
-    return trainer
 
 
 def uneven_scoring(trainer: RecordingTrainer) -> list[dict]:

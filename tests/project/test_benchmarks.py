@@ -212,7 +212,7 @@ def test_every_benchmark_script_has_a_smoke_run():
 
 
 def test_study_script_reports_saved_runs(tmp_path):
-    # "study.py" as a script, report-only over two saved runs (the training path runs in tests/study/test_study.py)
+    # "study.py" as a script, report-only over two saved runs (the training path runs in lab/tests/test_study.py)
     import subprocess
     import sys
 

@@ -479,7 +479,7 @@ def _check_exgrpo(words: list[str]) -> None:
 
 def check_command(command: str, capsys) -> None:
     from exgrpo_trl.cli import train as train_cli
-    from exgrpo_trl.utils import tiny
+    from exgrpo_trl.tasks import toy
     from lab import demo
     from lab.study import cli as study_cli
 
@@ -495,7 +495,7 @@ def check_command(command: str, capsys) -> None:
     elif program == "exgrpo":
         _check_exgrpo(words)
     elif program == "python" and words[1] == "-m":
-        parsers = {"exgrpo_trl.utils.tiny": tiny.build_parser, "lab.study": study_cli.build_parser}
+        parsers = {"exgrpo_trl.tasks.toy": toy.build_parser, "lab.study": study_cli.build_parser}
         parsers["lab.demo"] = demo.build_parser
         assert words[2] in parsers, words
         parsers[words[2]]().parse_args(words[3:])

@@ -32,8 +32,8 @@ def test_each_broken_rule_is_reported(tmp_path):
         {
             "__init__.py": "",
             "buffer.py": "import numpy\n",
-            "replay.py": "from .loss import f\n",  # pure, but reaches trl through loss
-            "loss.py": "def f():\n    from trl import GRPOTrainer\n",
+            "replay.py": "from .config import f\n",  # pure, but reaches trl through config
+            "config.py": "def f():\n    from trl import GRPOTrainer\n",
             "trainer.py": "from .tasks.toy import x\n",  # the algorithm imports an application
             "tasks/__init__.py": "",
             "tasks/toy.py": "from ..eval import report\nx = 1\n",  # tasks imports eval: up a layer
@@ -49,6 +49,6 @@ def test_each_broken_rule_is_reported(tmp_path):
         "exgrpo_trl.tasks.toy (tasks) imports exgrpo_trl.eval.report (eval): imports go down the layers",
         "exgrpo_trl.trainer (algorithm) imports exgrpo_trl.tasks.toy (tasks): imports go down the layers",
         "exgrpo_trl.cli imports lab: the package never imports the repository's lab/ folder",
-        "exgrpo_trl.replay must not import trl through exgrpo_trl.loss",
+        "exgrpo_trl.replay must not import trl through exgrpo_trl.config",
     ]
     assert check_imports.main([str(package)]) == 1

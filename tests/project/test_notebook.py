@@ -277,7 +277,7 @@ def test_plot_training_draws_each_series(tmp_path):
 
 def test_sample_and_compare_completions(tokenizer):
     from exgrpo_trl.eval.completions import compare_completions, question_text, sample_completions
-    from exgrpo_trl.utils.tiny import addition_reward
+    from exgrpo_trl.tasks.toy import addition_reward
     from tests.helpers import make_model
 
     model = make_model(tokenizer)

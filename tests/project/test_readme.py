@@ -46,10 +46,10 @@ def test_cpu_path_commands_work(tmp_path, monkeypatch, capsys):
     """The page's commands, run in a folder holding only the recipe (a fresh clone's layout), each through its own
     entry point, with a 3-step warm start and 2 training steps (replay on from the first) instead of the real run."""
     from exgrpo_trl import cli
-    from exgrpo_trl.utils import tiny as toy
+    from exgrpo_trl.tasks import toy
 
     build, train, inspect = cpu_path_commands()
-    assert build == "python -m exgrpo_trl.utils.tiny --out outputs/tiny-toy --num-heads 4 --warm-start-steps 2000"
+    assert build == "python -m exgrpo_trl.tasks.toy --out outputs/tiny-toy --num-heads 4 --warm-start-steps 2000"
     assert train == "exgrpo train --config recipes/tiny_cpu.yaml"
     assert inspect == "exgrpo inspect outputs/exgrpo-tiny-cpu/checkpoint-300"
     _copy_recipe(tmp_path)

@@ -98,7 +98,7 @@ def test_the_wheel_holds_the_package_and_not_the_lab(fresh_env):
     names = zipfile.ZipFile(wheel).namelist()
     top = {name.split("/")[0] for name in names}
     assert top == {"exgrpo_trl", wheel.name.split("-")[0] + "-0.1.0.dist-info"}, top
-    assert "exgrpo_trl/utils/tiny.py" in names  # the CPU kit users try ExGRPO with
+    assert "exgrpo_trl/tasks/toy.py" in names  # the CPU kit users try ExGRPO with
     assert not [n for n in names if any(part in n for part in ("countdown", "study", "demo", "regimes"))], names
 
 

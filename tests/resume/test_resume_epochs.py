@@ -24,7 +24,7 @@ from exgrpo_trl.checkpoints import checkpoint_problems, rotate_checkpoints
 from exgrpo_trl.checks import save_steps_inside_generation_batches
 from exgrpo_trl.sampler import SkipRetiredSampler
 from exgrpo_trl.state import STATE_DIRNAME
-from tests.helpers import config_kwargs, make_model, make_reward, make_trainer, state_of, synthetic_dataset
+from tests.helpers import config_kwargs, make_model, make_trainer, state_of, synthetic_dataset
 
 PROMPTS = [f"q{i}" for i in range(12)]
 
@@ -228,8 +228,7 @@ def test_rotate_checkpoints_by_hand(tmp_path, tokenizer):
 def test_save_steps_inside_generation_batches_are_named(settings, every, tmp_path, tokenizer, caplog):
     save, spg, iterations, accumulation = settings
     batch = 8 * 4 * spg // accumulation  # rows per micro-batch so that a generation batch holds 4 x spg questions
-    kwargs = config_kwargs(
-        tmp_path,
+    fields = dict(
         save_strategy="steps",
         save_steps=save,
         steps_per_generation=spg,
@@ -237,19 +236,14 @@ def test_save_steps_inside_generation_batches_are_named(settings, every, tmp_pat
         gradient_accumulation_steps=accumulation,
         per_device_train_batch_size=batch,
     )
+    kwargs = config_kwargs(tmp_path, **fields)
     message = save_steps_inside_generation_batches(ExGRPOConfig(**kwargs))
     assert message is not None and f"save_steps={save} " in message
     assert message.endswith(f"save_steps that are multiples of {every} resume exactly.")
     aligned = ExGRPOConfig(**{**kwargs, "save_steps": every * 3})
     assert save_steps_inside_generation_batches(aligned) is None
     with caplog.at_level(logging.WARNING):
-        ExGRPOTrainer(
-            model=make_model(tokenizer),
-            reward_funcs=make_reward(tokenizer),
-            args=ExGRPOConfig(**kwargs),
-            train_dataset=synthetic_dataset(n=16),
-            processing_class=tokenizer,
-        )
+        make_trainer(tmp_path, tokenizer, train_dataset=synthetic_dataset(n=16), **fields)
     assert message in caplog.text
 
 

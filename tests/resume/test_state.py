@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import ExperienceBuffer, Trajectory
 from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, StateFileError, load_state, save_state
-from tests.helpers import config_kwargs, make_model, make_reward, make_trainer, synthetic_dataset
+from tests.helpers import make_trainer, synthetic_dataset
 
 
 def sample_buffer(seed=0):
@@ -238,23 +237,10 @@ def test_resume_is_bitwise(tmp_path, tokenizer):
 
 
 def test_resume_from_plain_grpo_checkpoint_warns_once(tmp_path, tokenizer, caplog):
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
-    kwargs = config_kwargs(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
-    GRPOTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=GRPOConfig(**kwargs),
-        train_dataset=synthetic_dataset(),
-        processing_class=tokenizer,
-    ).train()
-    trainer = ExGRPOTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(**{**kwargs, "max_steps": 3}),
-        train_dataset=synthetic_dataset(),
-        processing_class=tokenizer,
-    )
+    make_trainer(tmp_path, tokenizer, cls=GRPOTrainer, max_steps=2, save_strategy="steps", save_steps=2).train()
+    trainer = make_trainer(tmp_path, tokenizer, max_steps=3, save_strategy="steps", save_steps=2)
     with caplog.at_level(logging.WARNING):
         trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     warnings = [r for r in caplog.records if "holds no ExGRPO state" in r.getMessage()]

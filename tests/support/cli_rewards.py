@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import signal
 
-from exgrpo_trl.utils.tiny import addition_reward
+from exgrpo_trl.tasks.toy import addition_reward
 
-EOS_ID = 1  # of the char tokenizer (exgrpo_trl.utils.tiny: <pad>, <eos>, <bos>, <unk>, then the alphabet)
+EOS_ID = 1  # of the char tokenizer (exgrpo_trl.tasks.toy: <pad>, <eos>, <bos>, <unk>, then the alphabet)
 
 _calls = 0
 

@@ -1,7 +1,9 @@
 """`RecordingTrainer`: the one ExGRPOTrainer subclass through which tests watch replay from inside.
 
 Used by the single-process replay tests, the vLLM tests (tests/vllm) and the multi-process script
-(tests/multiprocess). It adds no behaviour: every override calls `super()` and returns its result unchanged. It records
+(tests/multiprocess). It adds no behaviour: every override calls `super()`, every step of the run it watches
+(`make_plan`, `assign_rows`, `add_offline_rows`, `flush`, wrapped on the trainer's `exgrpo_run`) calls the run's own,
+and each returns its result unchanged. It records
 
 - `batches`, one dict per training generation batch: ``before`` (the buffer the plan saw: ``questions``,
   ``trajectories`` {key: [completion ids]}, ``retired``, ``active``), ``plan`` (the `ReplayPlan` or None),
@@ -81,6 +83,9 @@ class RecordingTrainer(ExGRPOTrainer):
         self.scoring_forwards = 0
         self._step_marks = (0, 0)
         self.model.register_forward_pre_hook(self._count_forward)
+        run = self.exgrpo_run  # its steps, watched from around (the run calls them through its attributes)
+        for name in ("make_plan", "assign_rows", "add_offline_rows", "flush"):
+            setattr(run, name, getattr(self, f"_record_{name}")(getattr(run, name)))
 
     def _count_forward(self, module, args):
         if not self._generating:
@@ -98,35 +103,47 @@ class RecordingTrainer(ExGRPOTrainer):
             self.batches[-1]["buffer_after"] = self.experience_buffer.num_trajectories
         return output
 
-    def _exgrpo_make_plan(self, num_local):
-        buffer = self.experience_buffer
-        self.batches[-1]["before"] = {
-            "questions": buffer.num_questions,
-            "trajectories": {
-                k: [t.completion_ids.tolist() for t in e.trajectories] for k, e in buffer.questions.items()
-            },
-            "retired": set(buffer.retired),
-            "active": self.exgrpo_state["replay_active"],
-        }
-        plan = super()._exgrpo_make_plan(num_local)
-        self.batches[-1]["plan"] = plan
-        self.batches[-1]["step"] = self.state.global_step
-        return plan
+    def _record_make_plan(self, make_plan):
+        def recorded(num_groups, score):
+            buffer = self.experience_buffer
+            self.batches[-1]["before"] = {
+                "questions": buffer.num_questions,
+                "trajectories": {
+                    k: [t.completion_ids.tolist() for t in e.trajectories] for k, e in buffer.questions.items()
+                },
+                "retired": set(buffer.retired),
+                "active": self.exgrpo_state["replay_active"],
+            }
+            plan = make_plan(num_groups, score)
+            self.batches[-1]["plan"] = plan
+            self.batches[-1]["step"] = self.state.global_step
+            return plan
 
-    def _exgrpo_apply_plan(self, inputs, plan):
-        rows = super()._exgrpo_apply_plan(inputs, plan)
-        self.batches[-1]["prompts"] = [x["prompt"] for x in rows.inputs]
-        self.batches[-1]["replay_rows"] = list(rows.replay_rows)
-        self.batches[-1]["splice"] = dict(rows.splice)
-        return rows
+        return recorded
 
-    def _exgrpo_add_offline_rows(self, rows, plan):
-        self.batches[-1]["rejected_before"] = set(self.offline_guide.rejected)
-        self.batches[-1]["self_solved_before"] = set(self.offline_guide.self_solved)
-        super()._exgrpo_add_offline_rows(rows, plan)
-        self.batches[-1]["offline"] = {local: (row.key, row.index) for local, row in rows.offline.items()}
-        self.batches[-1]["offline_rows"] = list(rows.offline.values())
-        self.batches[-1]["splice"] = dict(rows.splice)
+    def _record_assign_rows(self, assign_rows):
+        def recorded(inputs, plan):
+            rows = assign_rows(inputs, plan)
+            self.batches[-1]["prompts"] = [x["prompt"] for x in rows.inputs]
+            self.batches[-1]["replay_rows"] = list(rows.replay_rows)
+            self.batches[-1]["splice"] = dict(rows.splice)
+            return rows
+
+        return recorded
+
+    def _record_add_offline_rows(self, add_offline_rows):
+        def recorded(rows, plan):
+            guide = self.offline_guide
+            if guide is None:  # offline guidance off: nothing to record
+                return add_offline_rows(rows, plan)
+            self.batches[-1]["rejected_before"] = set(guide.rejected)
+            self.batches[-1]["self_solved_before"] = set(guide.self_solved)
+            add_offline_rows(rows, plan)
+            self.batches[-1]["offline"] = {local: (row.key, row.index) for local, row in rows.offline.items()}
+            self.batches[-1]["offline_rows"] = list(rows.offline.values())
+            self.batches[-1]["splice"] = dict(rows.splice)
+
+        return recorded
 
     def _generate_single_turn(self, *args, **kwargs):
         # Generation may stop at a different length on each rank (all sequences finished): not counted.
@@ -174,21 +191,24 @@ class RecordingTrainer(ExGRPOTrainer):
         return torch.tensor([x for part in gather_object([values]) for x in part])
 
     # ---------------------------------------------------------------------------------------- collection, steps
-    def _exgrpo_flush(self, keep_pending: bool = False):
-        pending = self._exgrpo_pending
-        if pending is not None:
-            self.rec["flushes"].append(
-                {
-                    "step": self.state.global_step,
-                    "trajectories": [
-                        [row.key, row.completion_ids]
-                        for _, row in sorted(pending.rows.items())
-                        if row.completion_ids is not None
-                    ],
-                    "groups": [[g.group, g.key, g.k] for g in pending.groups],
-                }
-            )
-        super()._exgrpo_flush(keep_pending=keep_pending)
+    def _record_flush(self, flush):
+        def recorded(keep_pending: bool = False):
+            pending = self.exgrpo_run.pending
+            if pending is not None:
+                self.rec["flushes"].append(
+                    {
+                        "step": self.state.global_step,
+                        "trajectories": [
+                            [row.key, row.completion_ids]
+                            for _, row in sorted(pending.rows.items())
+                            if row.completion_ids is not None
+                        ],
+                        "groups": [[g.group, g.key, g.k] for g in pending.groups],
+                    }
+                )
+            flush(keep_pending=keep_pending)
+
+        return recorded
 
     def training_step(self, *args, **kwargs):
         loss = super().training_step(*args, **kwargs)

@@ -4,16 +4,10 @@ script's loss_remove_clip), on hand-made ratios through TRL's own loss; off by d
 import pytest
 import torch
 
-from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
+from exgrpo_trl import ExGRPOConfig
 from exgrpo_trl.trainer import BatchKey
-from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import make_trainer
 from tests.support.recording import RecordingTrainer
-
-
-def trainer_for(tmp_path, tokenizer, cls=ExGRPOTrainer, **overrides):
-    kwargs = config_kwargs(tmp_path, **{"remove_clip_after_replay_start": True, **overrides})
-    return cls(model=make_model(tokenizer), reward_funcs=make_reward(tokenizer), args=ExGRPOConfig(**kwargs),
-               train_dataset=synthetic_dataset(), processing_class=tokenizer)  # fmt: skip
 
 
 # dr_grpo, one row, 3 completion tokens + 1 masked, ratios r = exp(logp - old) = 1.6, 1.0, 0.5, epsilon 0.2,
@@ -24,7 +18,7 @@ def trainer_for(tmp_path, tokenizer, cls=ExGRPOTrainer, **overrides):
 #           removed  (1.6 + 1.0 + 0.5) / 4 = 0.775
 @pytest.mark.parametrize("advantage, clipped, removed", [(1.0, -0.675, -0.775), (-1.0, 0.85, 0.775)])
 def test_clip_removed_on_hand_made_ratios(tmp_path, tokenizer, advantage, clipped, removed):
-    trainer = trainer_for(tmp_path, tokenizer, max_completion_length=4)
+    trainer = make_trainer(tmp_path, tokenizer, remove_clip_after_replay_start=True, max_completion_length=4)
     assert trainer.beta == 0.0 and trainer.args.entropy_coef == 0.0 and trainer.loss_type == "dr_grpo"
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
@@ -47,18 +41,19 @@ def test_clip_removed_on_hand_made_ratios(tmp_path, tokenizer, advantage, clippe
 def test_only_batches_generated_after_the_switch(tmp_path, tokenizer):
     # Delayed start at 0.35: the synthetic reward solves 30-60% of rollouts, so replay starts within a few batches;
     # the batches generated before that keep the clip, every batch after it carries the key.
-    trainer = trainer_for(tmp_path / "on", tokenizer, RecordingTrainer, max_steps=4, replay_start_pass_rate=0.35)
+    trainer = make_trainer(tmp_path / "on", tokenizer, cls=RecordingTrainer, remove_clip_after_replay_start=True,
+                           max_steps=4, replay_start_pass_rate=0.35)  # fmt: skip
     trainer.train()
     actives = [b["before"]["active"] for b in trainer.batches]
     assert any(actives) and not all(actives)
     assert [(BatchKey.UNCLIPPED in b["output"]) for b in trainer.batches] == actives
-    off = trainer_for(tmp_path / "off", tokenizer, RecordingTrainer, max_steps=2, replay_start_pass_rate=0.0,
-                      remove_clip_after_replay_start=False)  # fmt: skip
+    off = make_trainer(tmp_path / "off", tokenizer, cls=RecordingTrainer, remove_clip_after_replay_start=False,
+                       max_steps=2, replay_start_pass_rate=0.0)  # fmt: skip
     off.train()
     assert not any(BatchKey.UNCLIPPED in b["output"] for b in off.batches)
 
 
 def test_rejected_where_there_is_no_ppo_clip(tmp_path, tokenizer):
     with pytest.raises(ValueError, match="loss_type 'cispo' has none to remove"):
-        trainer_for(tmp_path, tokenizer, loss_type="cispo")
+        make_trainer(tmp_path, tokenizer, remove_clip_after_replay_start=True, loss_type="cispo")
     assert ExGRPOConfig.__dataclass_fields__["remove_clip_after_replay_start"].default is False  # algorithm §8

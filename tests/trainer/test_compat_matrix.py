@@ -40,7 +40,7 @@ import torch
 from exgrpo_trl import ExGRPOConfig
 from exgrpo_trl.buffer import question_key
 from exgrpo_trl.trainer import BatchKey
-from tests.helpers import config_kwargs, make_model, make_reward, make_reward_model, synthetic_dataset
+from tests.helpers import make_model, make_reward, make_reward_model, make_trainer, synthetic_dataset
 from tests.support.recording import RecordingTrainer
 
 K = 8
@@ -189,7 +189,7 @@ def build_run(setup: str, config: dict, out_dir, tokenizer, model_dir) -> Run:
         config.setdefault("max_completion_length", 32)
         config.setdefault("learning_rate", 1e-3)
     elif setup == "conversational":
-        from exgrpo_trl.utils.tiny import build_char_tokenizer
+        from exgrpo_trl.tasks.toy import build_char_tokenizer
 
         processing_class = build_char_tokenizer()
         processing_class.chat_template = CHAT_TEMPLATE
@@ -212,22 +212,25 @@ def build_run(setup: str, config: dict, out_dir, tokenizer, model_dir) -> Run:
         ]
     else:
         reward_funcs = [rewards.wrap(short_answer(tokenizer), "short_answer")]
+    peft_config = None
     if config.pop("lora", False):
         from peft import LoraConfig
 
-        extra["peft_config"] = LoraConfig(
+        peft_config = LoraConfig(
             r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
         )
-    if config.get("beta", 0.0) and "peft_config" not in extra:
+    if config.get("beta", 0.0) and peft_config is None:
         model = str(model_dir)  # TRL loads the reference model from the policy's path
-    args = ExGRPOConfig(**config_kwargs(out_dir, **{"replay_start_pass_rate": 0.0, "max_steps": 3, **config}))
-    trainer = RecordingTrainer(
+    trainer = make_trainer(
+        out_dir,
+        processing_class,
+        cls=RecordingTrainer,
         model=model,
         reward_funcs=reward_funcs,
-        args=args,
         train_dataset=dataset,
-        processing_class=processing_class,
-        **extra,
+        peft_config=peft_config,
+        trainer_kwargs=extra,
+        **{"replay_start_pass_rate": 0.0, "max_steps": 3, **config},
     )
     initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     ref_initial = None
@@ -235,7 +238,7 @@ def build_run(setup: str, config: dict, out_dir, tokenizer, model_dir) -> Run:
         ref_initial = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
     trainer.train()
     weights = trainer.reward_weights.tolist()
-    return Run(trainer, rewards, weights, args, processing_class, initial, ref_initial)
+    return Run(trainer, rewards, weights, trainer.args, processing_class, initial, ref_initial)
 
 
 # ------------------------------------------------------------------------------------------------ expectations
@@ -813,17 +816,18 @@ def test_one_question_per_generation_batch_warns_that_replay_never_fires(
     batch shape (per_device_train_batch_size 8, num_generations 8) gives. Said at init, and true of the run."""
     import logging
 
-    kwargs = config_kwargs(tmp_path, max_steps=4, per_device_train_batch_size=8, replay_start_pass_rate=0.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with caplog.at_level(logging.WARNING):
-            trainer = RecordingTrainer(
-                model=make_model(tokenizer),
-                reward_funcs=make_reward(tokenizer),
-                args=ExGRPOConfig(**{**kwargs, **overrides}),
-                train_dataset=synthetic_dataset(),
-                processing_class=tokenizer,
+            trainer = make_trainer(
+                tmp_path,
+                tokenizer,
+                cls=RecordingTrainer,
+                max_steps=4,
+                per_device_train_batch_size=8,
+                replay_start_pass_rate=0.0,
+                **overrides,
             )
         messages = [r.getMessage() for r in caplog.records if "will never replay" in r.getMessage()]
         assert messages == ([NEVER_FIRES] if warned else [])

@@ -8,7 +8,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import RepeatSampler
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
-from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import config_kwargs, make_model, make_reward, make_trainer, synthetic_dataset
 
 
 def params(fn):
@@ -67,13 +67,7 @@ def test_hook_signatures():
 
 def test_runtime_contract(tmp_path, tokenizer):
     """One real generation batch through the hooks: the attributes read and the keys TRL returns."""
-    trainer = ExGRPOTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=make_reward(tokenizer),
-        args=ExGRPOConfig(**config_kwargs(tmp_path, replay_start_pass_rate=0.0)),
-        train_dataset=synthetic_dataset(),
-        processing_class=tokenizer,
-    )
+    trainer = make_trainer(tmp_path, tokenizer, replay_start_pass_rate=0.0)
     for name in (
         "_step",
         "eos_token_ids",
@@ -91,9 +85,10 @@ def test_runtime_contract(tmp_path, tokenizer):
     assert isinstance(sampler, RepeatSampler) and sampler.num_samples == 48 and sampler.batch_size == 4
     trainer.model.train()
     inputs = [{"prompt": p, "always": False} for p in synthetic_dataset()["prompt"][:4] for _ in range(8)]
-    handed = []  # what the hooks handed on, as `_exgrpo_after_scoring` receives it
-    original_after = trainer._exgrpo_after_scoring
-    trainer._exgrpo_after_scoring = lambda batch, output: handed.append(batch) or original_after(batch, output)
+    handed = []  # what the hooks handed on, as the run's `after_scoring` receives it
+    run = trainer.exgrpo_run
+    original_after = run.after_scoring
+    run.after_scoring = lambda batch, output, **kw: handed.append(batch) or original_after(batch, output, **kw)
     output = trainer._generate_and_score_completions(inputs)
     assert {
         "prompt_ids",
@@ -107,7 +102,7 @@ def test_runtime_contract(tmp_path, tokenizer):
     (batch,) = handed
     assert batch.rewards.shape == (32, 1)  # gathered over ranks: (N_global, num reward funcs)
     assert len(batch.completion_ids) == 32
-    assert trainer._exgrpo_batch is None  # dropped once scored
+    assert run.batch is None  # dropped once scored
     captured = []
     original = GRPOTrainer._get_per_token_logps_and_entropies
 
@@ -131,7 +126,7 @@ def test_environment_owned_data_rejected(tmp_path, tokenizer):
     # its own
     # questions (no train_dataset) cannot have a question replayed, and says so before TRL builds anything
     with pytest.raises(ValueError, match="needs a train_dataset with a 'prompt' column when environment_factory"):
-        ExGRPOTrainer(
+        ExGRPOTrainer(  # by hand: no train_dataset at all, which make_trainer always gives
             model=make_model(tokenizer),
             reward_funcs=make_reward(tokenizer),
             args=ExGRPOConfig(**config_kwargs(tmp_path)),
@@ -145,15 +140,9 @@ def test_images_and_plain_grpo_config_rejected(tmp_path, tokenizer):
     from trl import GRPOConfig
 
     with pytest.raises(NotImplementedError, match="image inputs"):
-        ExGRPOTrainer(
-            model=make_model(tokenizer),
-            reward_funcs=make_reward(tokenizer),
-            args=ExGRPOConfig(**config_kwargs(tmp_path)),
-            processing_class=tokenizer,
-            train_dataset=Dataset.from_dict({"prompt": ["a"], "image": [None]}),
-        )
+        make_trainer(tmp_path, tokenizer, train_dataset=Dataset.from_dict({"prompt": ["a"], "image": [None]}))
     with pytest.raises(TypeError, match="needs an ExGRPOConfig, got a GRPOConfig"):
-        ExGRPOTrainer(
+        ExGRPOTrainer(  # by hand: the mistake under test, a GRPOConfig, which make_trainer never pairs with it
             model=make_model(tokenizer),
             reward_funcs=make_reward(tokenizer),
             args=GRPOConfig(**config_kwargs(tmp_path)),
@@ -165,8 +154,10 @@ def test_images_and_plain_grpo_config_rejected(tmp_path, tokenizer):
 # Every private name of TRL's GRPOTrainer or transformers' Trainer the package touches, with the modules that touch it
 # and how: "override" (a method ExGRPOTrainer overrides, always through super()), "call" (a private method it calls),
 # "read" (an attribute it reads or writes), "swap" (an attribute `swapped` sets for one block), "keyword" (a private
-# keyword argument). Checked against TRL 1.16.0 (and the transformers it runs with): an upgrade that renames or drops
-# one fails `test_private_names_exist` naming it, before any training run.
+# keyword argument). trainer.py is the one module that names any of them. Checked against TRL `CHECKED_AGAINST` (and
+# the transformers it runs with): an upgrade that renames or drops one fails `test_private_names_exist` naming it,
+# before any training run.
+CHECKED_AGAINST = "1.16.0"
 PRIVATE_NAMES = {
     "_generate_and_score_completions": ("trainer.py", "override"),
     "_generate_single_turn": ("trainer.py", "override"),
@@ -192,8 +183,8 @@ PRIVATE_NAMES = {
     "_name": ("trainer.py", "read"),
     "_paper": ("trainer.py", "read"),
     "_batch_environments": ("trainer.py", "swap"),
-    "_finish_current_push": ("utils/hub.py", "call"),
-    "_internal_call": ("cli/train.py utils/hub.py", "keyword"),
+    "_finish_current_push": ("trainer.py", "call"),
+    "_internal_call": ("trainer.py", "keyword"),
 }
 
 
@@ -216,6 +207,8 @@ def _trl_private_names() -> set[str]:
 
 
 def test_private_names_exist():
+    assert trl.__version__.startswith(CHECKED_AGAINST.rsplit(".", 1)[0]), (trl.__version__, CHECKED_AGAINST)
+    assert {where for where, _ in PRIVATE_NAMES.values()} == {"trainer.py"}  # the one module that names them
     missing = sorted(set(PRIVATE_NAMES) - _trl_private_names())
     assert not missing, f"TRL {trl.__version__} no longer has {missing}: ExGRPOTrainer relies on them"
 

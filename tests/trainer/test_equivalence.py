@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOTrainer
 
-from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
+from exgrpo_trl import ExGRPOTrainer
 from exgrpo_trl.trainer import BatchKey
-from tests.helpers import config_kwargs, make_model, make_reward, synthetic_dataset
+from tests.helpers import make_model, make_trainer
 
 
 @pytest.mark.parametrize(
@@ -20,25 +20,13 @@ from tests.helpers import config_kwargs, make_model, make_reward, synthetic_data
     ids=["dr_grpo", "dapo-ga2-kl"],
 )
 def test_replay_ratio_zero_is_grpo_bitwise(tmp_path, tokenizer, overrides):
-    kwargs = config_kwargs(tmp_path, max_steps=3, **overrides)
-    dataset, reward = synthetic_dataset(), make_reward(tokenizer)
     model_dir = str(tmp_path / "model")  # loaded by path, so that beta > 0 can load the same reference model
     make_model(tokenizer).save_pretrained(model_dir)
 
-    grpo = GRPOTrainer(
-        model=model_dir,
-        reward_funcs=reward,
-        args=GRPOConfig(**kwargs),
-        train_dataset=dataset,
-        processing_class=tokenizer,
-    )
+    grpo = make_trainer(tmp_path, tokenizer, cls=GRPOTrainer, model=model_dir, max_steps=3, **overrides)
     grpo.train()
-    ex = ExGRPOTrainer(
-        model=model_dir,
-        reward_funcs=reward,
-        args=ExGRPOConfig(replay_ratio=0.0, replay_start_pass_rate=0.0, **kwargs),
-        train_dataset=dataset,
-        processing_class=tokenizer,
+    ex = make_trainer(
+        tmp_path, tokenizer, model=model_dir, replay_ratio=0.0, replay_start_pass_rate=0.0, max_steps=3, **overrides
     )
     ex.train()
 
@@ -75,8 +63,7 @@ def test_replayed_rows_share_trls_normaliser(tmp_path, tokenizer, loss_type):
     what TRL's loss is for a fresh on-policy row (ratio 1, inside the clip range). So ExGRPO's loss on a batch whose
     rows 1 and 3 are 'replayed' must have the same gradient as GRPOTrainer's loss on the same batch, for every loss
     type: that holds only if the replayed term is aggregated with TRL's own normaliser."""
-    kwargs = config_kwargs(
-        tmp_path,
+    kwargs = dict(
         loss_type=loss_type,
         per_device_train_batch_size=4,
         num_generations=2,
@@ -85,21 +72,8 @@ def test_replayed_rows_share_trls_normaliser(tmp_path, tokenizer, loss_type):
     )
     if loss_type == "cispo":  # CISPO's clip bound on the ratio (the MiniMax-M1 paper uses ~5; TRL's default 0.2 < 1)
         kwargs["epsilon_high"] = 5.0
-    dataset, reward = synthetic_dataset(), make_reward(tokenizer)
-    grpo = GRPOTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=reward,
-        args=GRPOConfig(**kwargs),
-        train_dataset=dataset,
-        processing_class=tokenizer,
-    )
-    ex = ExGRPOTrainer(
-        model=make_model(tokenizer),
-        reward_funcs=reward,
-        train_dataset=dataset,
-        args=ExGRPOConfig(policy_shaping_gamma=None, replay_importance_correction=False, **kwargs),
-        processing_class=tokenizer,
-    )
+    grpo = make_trainer(tmp_path, tokenizer, cls=GRPOTrainer, **kwargs)
+    ex = make_trainer(tmp_path, tokenizer, policy_shaping_gamma=None, replay_importance_correction=False, **kwargs)
     batch = _batch(grpo, tokenizer)
     replay = {
         **batch,
@@ -133,7 +107,7 @@ def _multi_turn_setup(mode: str):
             calculator_reward,
             {"environment_factory": {"adder": adder, "multiplier": multiplier}},
         ),
-        "environment-owned reward": (None, {"environment_factory": scored}),
+        "environment-owned reward": ([], {"environment_factory": scored}),
         "rollout_func": (rollout_reward, {"rollout_func": calculator_rollout}),
     }[mode]
 
@@ -152,7 +126,7 @@ def test_replay_ratio_zero_is_grpo_bitwise_multi_turn(tmp_path, monkeypatch, mod
 
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     tokenizer = build_tool_tokenizer()
-    kwargs = config_kwargs(tmp_path, max_steps=3, max_completion_length=32, learning_rate=1e-3)
+    kwargs = dict(max_steps=3, max_completion_length=32, learning_rate=1e-3)
     dataset = calculator_dataset()
     if mode == "environment_factory dict":  # each row routed to its environment by its `environment` column
         adds = calculator_dataset(16, "+").map(lambda row: {"environment": "adder"})
@@ -160,17 +134,19 @@ def test_replay_ratio_zero_is_grpo_bitwise_multi_turn(tmp_path, monkeypatch, mod
         dataset = concatenate_datasets([adds, muls])
     runs = []
     for trainer_cls, config in (
-        (GRPOTrainer, GRPOConfig(**kwargs)),
-        (ExGRPOTrainer, ExGRPOConfig(replay_ratio=0.0, replay_start_pass_rate=0.0, **kwargs)),
+        (GRPOTrainer, kwargs),
+        (ExGRPOTrainer, dict(replay_ratio=0.0, replay_start_pass_rate=0.0, **kwargs)),
     ):
         reward, extra = _multi_turn_setup(mode)  # fresh environment classes for each trainer
-        trainer = trainer_cls(
+        trainer = make_trainer(
+            tmp_path,
+            tokenizer,
+            cls=trainer_cls,
             model=make_tool_model(tokenizer),
             reward_funcs=reward,
-            args=config,
             train_dataset=dataset,
-            processing_class=tokenizer,
-            **extra,
+            trainer_kwargs=extra,
+            **config,
         )
         with one_thread():
             trainer.train()

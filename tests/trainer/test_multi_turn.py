@@ -21,7 +21,7 @@ from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import question_key
 from exgrpo_trl.checks import ENVIRONMENT_OWNED_DATA, IMAGE_INPUTS
 from exgrpo_trl.trainer import BatchKey
-from tests.helpers import config_kwargs
+from tests.helpers import config_kwargs, make_trainer
 from tests.support.recording import RecordingTrainer
 from tests.support.tool_tasks import (
     ASYNC_ADD_OR_MUL,
@@ -83,17 +83,18 @@ def train(tmp_path, *, reward_funcs=calculator_reward, dataset=None, branches=No
     """Train a `MultiTurnRecorder` on the calculator task; `calls()` counts the tool calls run so far (default: the
     standalone tools')."""
     tokenizer = build_tool_tokenizer()
-    kwargs = config_kwargs(
-        tmp_path, max_steps=max_steps, max_completion_length=32, learning_rate=1e-3, replay_start_pass_rate=0.0
-    )
+    config = dict(max_steps=max_steps, max_completion_length=32, learning_rate=1e-3, replay_start_pass_rate=0.0)
+    config.update(extra.pop("config", {}))
     model = make_tool_model(tokenizer) if branches is None else make_tool_model(tokenizer, branches=branches)
-    trainer = MultiTurnRecorder(
+    trainer = make_trainer(
+        tmp_path,
+        tokenizer,
+        cls=MultiTurnRecorder,
         model=model,
         reward_funcs=reward_funcs,
-        args=ExGRPOConfig(**{**kwargs, **extra.pop("config", {})}),
         train_dataset=calculator_dataset() if dataset is None else dataset,
-        processing_class=tokenizer,
-        **extra,
+        trainer_kwargs=extra,
+        **config,
     )
     TOOL_CALLS.clear()
     if calls is not None:
@@ -242,7 +243,7 @@ def test_train_with_environment_owned_reward(tmp_path):
     # A replayed row's environment is only reset (its tool calls do not run again), so get_reward() on it reads an
     # untouched calculator (0.0): the reward its environment gave when the trajectory was stored (1.0) is used.
     _, scored_env, _, _ = env_classes()
-    trainer = train(tmp_path, reward_funcs=None, environment_factory=scored_env)
+    trainer = train(tmp_path, reward_funcs=[], environment_factory=scored_env)
     check_replay(trainer, "environment-owned reward")
     assert trainer.reward_func_names == ["Scored"]
     for b, j, row in replayed(trainer):
@@ -310,7 +311,7 @@ def test_environment_owned_data_is_rejected(tmp_path):
     tokenizer = build_tool_tokenizer()
     args = ExGRPOConfig(**config_kwargs(tmp_path, max_steps=2))
     with pytest.raises(ValueError) as info:
-        ExGRPOTrainer(
+        ExGRPOTrainer(  # by hand: no train_dataset at all, which make_trainer always gives
             model=make_tool_model(tokenizer),
             reward_funcs=calculator_reward,
             args=args,
@@ -322,30 +323,23 @@ def test_environment_owned_data_is_rejected(tmp_path):
 
     routing_only = Dataset.from_dict({"environment": ["adder", "multiplier"] * 4})  # the environments pick questions
     with pytest.raises(ValueError, match="needs a train_dataset with a 'prompt' column"):
-        ExGRPOTrainer(
+        make_trainer(
+            tmp_path,
+            tokenizer,
             model=make_tool_model(tokenizer),
             reward_funcs=calculator_reward,
-            args=args,
             train_dataset=routing_only,
-            processing_class=tokenizer,
-            environment_factory={"adder": adder, "multiplier": multiplier},
+            trainer_kwargs={"environment_factory": {"adder": adder, "multiplier": multiplier}},
+            max_steps=2,
         )
 
 
 def test_image_inputs_are_rejected(tmp_path, tokenizer):
     from datasets import Dataset
 
-    from tests.helpers import make_model, make_reward
-
     dataset = Dataset.from_dict({"prompt": ["1+1="] * 8, "image": [None] * 8})
     with pytest.raises(NotImplementedError) as info:
-        ExGRPOTrainer(
-            model=make_model(tokenizer),
-            reward_funcs=make_reward(tokenizer),
-            args=ExGRPOConfig(**config_kwargs(tmp_path)),
-            train_dataset=dataset,
-            processing_class=tokenizer,
-        )
+        make_trainer(tmp_path, tokenizer, train_dataset=dataset)
     assert str(info.value) == IMAGE_INPUTS
 
 
@@ -362,18 +356,12 @@ def test_calculator_task_replays_tool_trajectories_and_resumes_bitwise(tmp_path)
 
     def run(out, resume=None):
         tokenizer = build_tool_tokenizer()
-        kwargs = config_kwargs(
-            out, max_steps=24, max_completion_length=32, learning_rate=1e-3, replay_start_pass_rate=0.0,
-            save_strategy="steps", save_steps=12, per_device_train_batch_size=32,
+        trainer = make_trainer(
+            out, tokenizer, cls=MultiTurnRecorder, model=make_tool_model(tokenizer), reward_funcs=calculator_reward,
+            train_dataset=calculator_dataset(64), trainer_kwargs={"tools": [add, mul]}, max_steps=24,
+            max_completion_length=32, learning_rate=1e-3, replay_start_pass_rate=0.0, save_strategy="steps",
+            save_steps=12, per_device_train_batch_size=32,
         )  # fmt: skip
-        trainer = MultiTurnRecorder(
-            model=make_tool_model(tokenizer),
-            reward_funcs=calculator_reward,
-            args=ExGRPOConfig(**kwargs),
-            train_dataset=calculator_dataset(64),
-            processing_class=tokenizer,
-            tools=[add, mul],
-        )
         with one_thread():
             trainer.train(resume_from_checkpoint=resume)
         return trainer
@@ -408,17 +396,11 @@ def test_calculator_task_replays_tool_trajectories_and_resumes_bitwise(tmp_path)
 # ------------------------------------------------------------------------------------------------ by hand
 def _hand_trainer(tmp_path, **overrides):
     tokenizer = build_tool_tokenizer()
-    kwargs = config_kwargs(
-        tmp_path, per_device_train_batch_size=2, num_generations=2, max_completion_length=6, **overrides
-    )
-    trainer = ExGRPOTrainer(
-        model=make_tool_model(tokenizer),
-        reward_funcs=calculator_reward,
-        args=ExGRPOConfig(**kwargs),
-        train_dataset=calculator_dataset(),
-        processing_class=tokenizer,
-        tools=[add, mul],
-    )
+    trainer = make_trainer(
+        tmp_path, tokenizer, model=make_tool_model(tokenizer), reward_funcs=calculator_reward,
+        train_dataset=calculator_dataset(), trainer_kwargs={"tools": [add, mul]}, per_device_train_batch_size=2,
+        num_generations=2, max_completion_length=6, **overrides,
+    )  # fmt: skip
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by the training loop otherwise
     return trainer, tokenizer

@@ -261,7 +261,7 @@ def test_spliced_rows_are_not_generated(tmp_path, tokenizer, monkeypatch, backen
     for name, value in backend.items():
         setattr(trainer, name, value)
     prompts = [[10], [11], [12], [13]]  # one marker token per row
-    trainer._exgrpo_batch = GenerationBatch(None, RowAssignment([{}] * 4, [0, -1, -1, 1], {0: [7, 7, 7], 3: [8]}))
+    trainer.exgrpo_run.batch = GenerationBatch(None, RowAssignment([{}] * 4, [0, -1, -1, 1], {0: [7, 7, 7], 3: [8]}))
     ids, logprobs = trainer._generate_single_turn(prompts, None, {}, 8)
     assert seen == [[10 + i for i in generated]]
     assert ids == [[7, 7, 7], [11, 2], [12, 2], [8]]
@@ -269,7 +269,7 @@ def test_spliced_rows_are_not_generated(tmp_path, tokenizer, monkeypatch, backen
 
     # a rank whose rows are all spliced still generates (ZeRO-3's synced decoding needs every rank in `generate`)
     seen.clear()
-    trainer._exgrpo_batch = GenerationBatch(None, RowAssignment([{}] * 4, [0, 1, 2, 3], {i: [7] for i in range(4)}))
+    trainer.exgrpo_run.batch = GenerationBatch(None, RowAssignment([{}] * 4, [0, 1, 2, 3], {i: [7] for i in range(4)}))
     trainer._generate_single_turn(prompts, None, {}, 8)
     assert seen == [[10, 11, 12, 13]]
 

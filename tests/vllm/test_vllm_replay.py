@@ -6,7 +6,7 @@ Each mode trains a tiny locally built model for a few steps and records, through
 - the plan, the buffer as the plan saw it, and the batch TRL scored;
 - after every weight sync, vLLM's log-probs of a fixed sequence (`prompt_logprobs`) and the trained model's.
 
-The model is Llama-shaped, not the Qwen2 of `exgrpo_trl.utils.tiny`: with a Llama config vLLM loads the char tokenizer
+The model is Llama-shaped, not the Qwen2 of `exgrpo_trl.tasks.toy`: with a Llama config vLLM loads the char tokenizer
 saved beside the model as it is, so vLLM stops on our `<eos>` exactly as TRL's tokenizer sees it; with a Qwen2 config
 vLLM loads Qwen's byte-level tokenizer class instead. Hidden 128 with 2 heads (head size 64: vLLM's CPU attention
 has no kernel for head size 16), float32 on both sides (vLLM would otherwise run a float32 checkpoint in bfloat16,
@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from exgrpo_trl.trainer import BatchKey
-from tests.helpers import config_kwargs, make_reward, synthetic_dataset, tiny_config
+from tests.helpers import make_trainer, synthetic_dataset, tiny_config
 
 from . import cpu_weight_sync
 from .helpers import vllm_env
@@ -55,7 +55,7 @@ FIXED_TEXT = "12+34=46"  # + <eos>: the sequence whose log-probs are compared af
 def build_model_dir(path: Path) -> str:
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    from exgrpo_trl.utils.tiny import build_char_tokenizer
+    from exgrpo_trl.tasks.toy import build_char_tokenizer
 
     tokenizer = build_char_tokenizer(save_dir=path)
     ids = {
@@ -250,8 +250,6 @@ def _float32_llm(monkeypatch) -> None:
 def run_exgrpo(mode: str, work: Path) -> dict:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from exgrpo_trl import ExGRPOConfig
-
     model_dir = build_model_dir(work / "model")
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
     tokenizer.padding_side = "left"
@@ -275,33 +273,28 @@ def run_exgrpo(mode: str, work: Path) -> dict:
             _float32_llm(mp)
             cpu_weight_sync.install_colocate_sync(mp)
 
-        args = ExGRPOConfig(
-            **config_kwargs(
-                work,
-                use_vllm=True,
-                vllm_mode=mode,
-                vllm_max_model_length=64,
-                per_device_train_batch_size=K * GROUPS,
-                num_generations=K,
-                max_completion_length=8,
-                learning_rate=3e-4,  # every sync really moves the weights, not so fast that all questions retire
-                max_steps=MAX_STEPS,
-                replay_start_pass_rate=0.0,  # replay forced on from the first batch the buffer can serve
-                replay_ratio=0.5,
-                offline_solutions_column="solution",  # every third question has an offline solution (algorithm §11)
-                **extra,
-            )
-        )
         started = time.monotonic()
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         from tests.support.recording import RecordingTrainer
 
-        trainer = RecordingTrainer(
+        trainer = make_trainer(
+            work,
+            tokenizer,
+            cls=RecordingTrainer,
             model=model,
-            reward_funcs=make_reward(tokenizer),
-            args=args,
             train_dataset=offline_dataset(),
-            processing_class=tokenizer,
+            use_vllm=True,
+            vllm_mode=mode,
+            vllm_max_model_length=64,
+            per_device_train_batch_size=K * GROUPS,
+            num_generations=K,
+            max_completion_length=8,
+            learning_rate=3e-4,  # every sync really moves the weights, not so fast that all questions retire
+            max_steps=MAX_STEPS,
+            replay_start_pass_rate=0.0,  # replay forced on from the first batch the buffer can serve
+            replay_ratio=0.5,
+            offline_solutions_column="solution",  # every third question has an offline solution (algorithm §11)
+            **extra,
         )
         timings["trainer_init_s"] = time.monotonic() - started
         fixed = _fixed_ids(tokenizer)

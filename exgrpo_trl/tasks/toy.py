@@ -7,13 +7,13 @@ Everything here is built locally (no downloads):
 - `build_tiny_model`: a ~1M-parameter Qwen2-shaped causal LM (float32, tied embeddings, head size 64).
 - `addition_dataset` / `addition_splits`: "37+48=" -> "85", difficulty = number of digits of the operands.
 - `addition_reward`: the binary verifier (exact match of the stripped completion), TRL reward-function shaped.
-- `warm_start` / `load_or_train_warm_start`: a short supervised phase to a moderate pass rate, cached on disk.
+- `warm_start`: a short supervised phase to a moderate pass rate.
 - `evaluate_pass_at_1`: sampled pass@1 per question and by difficulty.
 
-Addition is the default everywhere; another task (the lab's Countdown) plugs into the tokenizer and the warm start
-through an `alphabet` and a `SupervisedTask`.
+Addition is the default everywhere; another task (the lab's Countdown) plugs into the tokenizer, the warm start and
+the evaluation through an `alphabet`, an `example` generator and a `reward_fn`.
 
-Command line: ``python -m exgrpo_trl.utils.tiny --out DIR [--warm-start-steps N]`` writes a model folder (model +
+Command line: ``python -m exgrpo_trl.tasks.toy --out DIR [--warm-start-steps N]`` writes a model folder (model +
 tokenizer, loadable with ``AutoModelForCausalLM`` and ``PreTrainedTokenizerFast``) and ``train.jsonl`` /
 ``eval.jsonl`` in DIR.
 """
@@ -22,18 +22,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import math
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,7 +38,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from .threads import cpu_threads, default_cpu_threads
+from ..utils.threads import cpu_threads, default_cpu_threads
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -54,18 +50,13 @@ __all__ = [
     "addition_dataset",
     "addition_splits",
     "addition_reward",
-    "SupervisedTask",
     "warm_start",
-    "load_or_train_warm_start",
-    "warm_start_is_cached",
     "evaluate_pass_at_1",
 ]
 
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 SPECIAL_TOKENS = (PAD, EOS, BOS, UNK)
 ALPHABET = tuple("0123456789+=")
-# Bump when anything that changes a warm-started checkpoint changes (cache key).
-_WARM_START_FORMAT = 2
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -304,19 +295,6 @@ def _encode_chars(tokenizer: PreTrainedTokenizerFast, text: str) -> list[int]:
     return [vocab.get(ch, unk) for ch in text]
 
 
-@dataclass(frozen=True)
-class SupervisedTask:
-    """What a warm start other than addition trains on: the tokenizer's alphabet and an example generator.
-
-    `example(rng)` returns one ``(prompt, answer)`` drawn with `rng` only. `name` goes into the warm-start cache
-    key in place of the generator itself: change it whenever the examples or the alphabet change.
-    """
-
-    name: str
-    alphabet: tuple[str, ...]
-    example: Callable[[random.Random], tuple[str, str]]
-
-
 def _supervised_batch(
     tokenizer: PreTrainedTokenizerFast,
     rng: random.Random,
@@ -370,8 +348,8 @@ def warm_start(
     On a CPU it runs on `threads` torch threads (default: OMP_NUM_THREADS, else 1; `utils.threads`), then restores
     the process's thread count: two threads on a busy 2-core machine are 5-17 times slower than one.
 
-    `example`, when given, replaces addition: each row is ``example(rng)`` (a `SupervisedTask.example`) and
-    `min_digits` / `max_digits` are unused; the tokenizer must cover its characters.
+    `example`, when given, replaces addition: each row is ``example(rng)``, one ``(prompt, answer)`` drawn with `rng`
+    only, and `min_digits` / `max_digits` are unused; the tokenizer must cover its characters.
 
     AdamW (weight decay 0.01), linear warm-up over `warmup` steps, then cosine decay from `lr` to `lr / 10`;
     gradient clip 1.0.
@@ -418,126 +396,6 @@ def warm_start(
         bar.close()
         model.train(was_training)
     return {"losses": losses, "seconds": time.perf_counter() - start, "steps": steps}
-
-
-def _warm_start_key(settings: dict) -> str:
-    blob = json.dumps(settings, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:12]
-
-
-def _warm_start_entry(
-    cache_dir: Path,
-    *,
-    steps: int,
-    seed: int,
-    batch_size: int,
-    lr: float,
-    warmup: int,
-    task: SupervisedTask | None = None,
-    **model_kwargs,
-) -> tuple[Path, dict]:
-    settings = {
-        "format": _WARM_START_FORMAT,
-        "steps": steps,
-        "seed": seed,
-        "batch_size": batch_size,
-        "lr": lr,
-        "warmup": warmup,
-        "model": dict(sorted(model_kwargs.items())),
-    }
-    prefix = "warm-start"
-    if task is not None:  # addition (None) keeps the key and folder name it had before tasks existed
-        settings["task"] = task.name
-        prefix = f"warm-start-{task.name}"
-    return Path(cache_dir) / f"{prefix}-{steps}steps-seed{seed}-{_warm_start_key(settings)}", settings
-
-
-def warm_start_is_cached(
-    cache_dir: str | os.PathLike,
-    *,
-    steps: int = 1000,
-    seed: int = 0,
-    batch_size: int = 128,
-    lr: float = 2e-3,
-    warmup: int = 100,
-    task: SupervisedTask | None = None,
-    **model_kwargs,
-) -> bool:
-    """Whether `load_or_train_warm_start` with the same arguments would load from `cache_dir` (no training)."""
-    entry, _ = _warm_start_entry(
-        Path(cache_dir), steps=steps, seed=seed, batch_size=batch_size, lr=lr, warmup=warmup, task=task, **model_kwargs
-    )
-    return (entry / "warm_start.json").is_file()
-
-
-def load_or_train_warm_start(
-    cache_dir: str | os.PathLike,
-    *,
-    steps: int = 1000,
-    seed: int = 0,
-    progress: bool = True,
-    batch_size: int = 128,
-    lr: float = 2e-3,
-    warmup: int = 100,
-    task: SupervisedTask | None = None,
-    **model_kwargs,
-):
-    """A warm-started (model, tokenizer), trained once and then loaded from `cache_dir`.
-
-    `task` None trains on addition; a `SupervisedTask` trains on its examples with a tokenizer over its alphabet.
-
-    The cache entry is keyed by every setting (steps, seed, optimiser settings, model shape) and written
-    atomically (a temporary folder renamed into place), so an interrupted run never leaves a half-written entry.
-    The entry folder also holds ``warm_start.json`` (settings, final loss, training time); its path is set on
-    the returned model as ``model.warm_start_path``.
-    """
-    cache_dir = Path(cache_dir)
-    entry, settings = _warm_start_entry(
-        cache_dir, steps=steps, seed=seed, batch_size=batch_size, lr=lr, warmup=warmup, task=task, **model_kwargs
-    )
-    if (entry / "warm_start.json").is_file():
-        tokenizer = load_char_tokenizer(entry)
-        model = Qwen2ForCausalLM.from_pretrained(str(entry), dtype=torch.float32)
-        model.warm_start_path = str(entry)
-        return model, tokenizer
-
-    tokenizer = build_char_tokenizer() if task is None else build_char_tokenizer(alphabet=task.alphabet)
-    model = build_tiny_model(tokenizer, seed=seed, **model_kwargs)
-    if steps > 0:
-        info = warm_start(
-            model,
-            tokenizer,
-            steps=steps,
-            batch_size=batch_size,
-            lr=lr,
-            warmup=warmup,
-            seed=seed,
-            progress=progress,
-            example=None if task is None else task.example,
-        )
-    else:
-        info = {"losses": [], "seconds": 0.0, "steps": 0}
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-warm-start-", dir=cache_dir))
-    try:
-        model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        meta = {
-            "settings": settings,
-            "final_loss": (sum(info["losses"][-20:]) / len(info["losses"][-20:])) if info["losses"] else None,
-            "seconds": info["seconds"],
-        }
-        (tmp / "warm_start.json").write_text(json.dumps(meta, indent=2) + "\n")
-        try:
-            os.rename(tmp, entry)
-        except OSError:
-            if not (entry / "warm_start.json").is_file():  # not a concurrent writer that won the race
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    model.warm_start_path = str(entry)
-    return model, tokenizer
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -627,7 +485,7 @@ def evaluate_pass_at_1(
 
 
 # --------------------------------------------------------------------------------------------------------------
-# python -m exgrpo_trl.utils.tiny --out DIR
+# python -m exgrpo_trl.tasks.toy --out DIR
 # --------------------------------------------------------------------------------------------------------------
 def _write_jsonl(dataset: Dataset, path: Path) -> None:
     with open(path, "w") as f:
@@ -637,7 +495,7 @@ def _write_jsonl(dataset: Dataset, path: Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m exgrpo_trl.utils.tiny",
+        prog="python -m exgrpo_trl.tasks.toy",
         description="Write a tiny Qwen2 model + char tokenizer (optionally warm-started) and the toy addition "
         "task as train.jsonl / eval.jsonl into one folder.",
     )

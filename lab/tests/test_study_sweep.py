@@ -11,7 +11,7 @@ import pytest
 
 from lab import study
 from lab.study import regimes
-from tests.study.records import make_record
+from lab.tests.records import make_record
 
 
 def test_sweep_settings_are_the_paper_shape_at_several_step_sizes():

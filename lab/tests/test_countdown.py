@@ -13,8 +13,9 @@ import pytest
 import torch
 from datasets import Dataset
 
-from exgrpo_trl.utils import tiny as toy
+from exgrpo_trl.tasks import toy
 from lab import countdown
+from lab import warm_start as warm_start_cache
 from lab.countdown import (
     COUNTDOWN_ALPHABET,
     count_expressions,
@@ -314,12 +315,12 @@ def test_warm_start_cache_hit(tmp_path, monkeypatch):
     assert len(entries) == 1 and entries[0].name.startswith("warm-start-countdown-v1-3steps-seed1-")
     assert len(tok) == 22 and model.config.vocab_size == 22
     # the same settings without the task are an addition entry, another key
-    assert not toy.warm_start_is_cached(tmp_path, steps=3, **kw)
+    assert not warm_start_cache.warm_start_is_cached(tmp_path, steps=3, **kw)
 
     def boom(*args, **kwargs):
         raise AssertionError("warm start trained again on a cache hit")
 
-    monkeypatch.setattr(toy, "warm_start", boom)
+    monkeypatch.setattr(warm_start_cache, "warm_start", boom)
     again, tok2 = countdown.countdown_warm_start(tmp_path, 3, progress=False, **kw)
     assert again.warm_start_path == model.warm_start_path
     sd, sd2 = model.state_dict(), again.state_dict()

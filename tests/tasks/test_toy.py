@@ -1,4 +1,5 @@
-"""Unit tests of the toy task (exgrpo_trl.utils.tiny): tokenizer, reward, data, tiny model, warm start, evaluation."""
+"""Unit tests of the toy task (exgrpo_trl.tasks.toy): tokenizer, reward, data, tiny model, warm start, evaluation,
+the command line."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 from datasets import Dataset
 
-from exgrpo_trl.utils import tiny as toy
-from exgrpo_trl.utils.tiny import (
+from exgrpo_trl.tasks import toy
+from exgrpo_trl.tasks.toy import (
     addition_dataset,
     addition_reward,
     addition_splits,
@@ -19,7 +20,6 @@ from exgrpo_trl.utils.tiny import (
     build_tiny_model_dir,
     evaluate_pass_at_1,
     load_char_tokenizer,
-    load_or_train_warm_start,
     warm_start,
 )
 
@@ -252,30 +252,6 @@ def test_warm_start_lowers_loss(tokenizer):
     assert not model.training  # mode restored
 
 
-def test_warm_start_cache_hit(tmp_path, monkeypatch):
-    kw = dict(steps=3, seed=1, progress=False, batch_size=8, hidden_size=64, num_heads=1, num_layers=1)
-    cache_kw = {k: v for k, v in kw.items() if k != "progress"}
-    assert not toy.warm_start_is_cached(tmp_path, **cache_kw)
-    model, tok = load_or_train_warm_start(tmp_path, **kw)
-    assert toy.warm_start_is_cached(tmp_path, **cache_kw)
-    assert not toy.warm_start_is_cached(tmp_path, **{**cache_kw, "seed": 2})
-    entries = list(tmp_path.iterdir())
-    assert len(entries) == 1 and (entries[0] / "warm_start.json").is_file()  # no temp folder left
-
-    def boom(*args, **kwargs):
-        raise AssertionError("warm start trained again on a cache hit")
-
-    monkeypatch.setattr(toy, "warm_start", boom)
-    again, tok2 = load_or_train_warm_start(tmp_path, **kw)
-    assert again.warm_start_path == model.warm_start_path
-    sd, sd2 = model.state_dict(), again.state_dict()
-    assert all(torch.equal(sd[k], sd2[k]) for k in sd)
-    assert tok2("12+3=")["input_ids"] == tok("12+3=")["input_ids"]
-    # another setting is another entry, which must train (and here hits the stub)
-    with pytest.raises(AssertionError, match="trained again"):
-        load_or_train_warm_start(tmp_path, **{**kw, "steps": 4})
-
-
 # ---------------------------------------------------------------- evaluation
 class _ScriptedModel(torch.nn.Module):
     """A stand-in for a causal LM whose `generate` answers each prompt correctly in a scripted number of samples."""
@@ -339,25 +315,6 @@ def test_evaluate_pass_at_1_real_model_seeded(tokenizer):
 
 
 # ---------------------------------------------------------------- other tasks leave addition unchanged
-def test_addition_vocab_and_cache_key_pinned():
-    # ids and the demo's warm-start entry name as they were before the tokenizer took an alphabet and the warm
-    # start a task: a change here orphans every cached addition warm start
-    vocab = build_char_tokenizer().get_vocab()
-    assert vocab == {
-        "<pad>": 0,
-        "<eos>": 1,
-        "<bos>": 2,
-        "<unk>": 3,
-        **{str(d): 4 + d for d in range(10)},
-        "+": 14,
-        "=": 15,
-    }
-    demo = dict(steps=1500, seed=0, batch_size=128, lr=2e-3, warmup=100)
-    shape = dict(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=512)
-    entry, settings = toy._warm_start_entry(toy.Path("c"), **demo, **shape)
-    assert entry.name == "warm-start-1500steps-seed0-dc0db9a3570b" and "task" not in settings
-
-
 def test_char_tokenizer_alphabet_argument():
     tok = build_char_tokenizer(alphabet=toy.ALPHABET + ("-",))
     assert len(tok) == 17 and tok("9-1=8")["input_ids"] == [13, 16, 5, 15, 12]

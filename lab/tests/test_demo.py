@@ -160,7 +160,7 @@ def test_two_step_demo_end_to_end(tmp_path, capsys):
 
 def test_demo_prints_the_study_sweep(tmp_path):
     """The demo's closing lines: the study's sweep.json as written by `python -m lab.study`, one line a step size."""
-    from tests.study.records import make_record
+    from lab.tests.records import make_record
 
     x = [0, 1000, 2000]
     logs = dict(steps={"fresh_questions": [64, 32], "replayed": [0, 32], "buffer_questions": [10, 40]},
