@@ -30,10 +30,52 @@ SAMPLING_SETTINGS = ("mu", "sigma", "question_selection", "cooldown")
 SETTING_DEFAULTS = {"cooldown": 0}
 
 
-def question_key(prompt: Any) -> str:
-    """A stable identity for a question: a hash of its prompt (a string or a list of chat messages)."""
-    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, ensure_ascii=False, default=str)
+def image_digest(image: Any) -> str:
+    """A stable identity for one image: a hash of its pixels (mode, size and raw bytes of a PIL image), or of its
+    encoded bytes (a `datasets` Image cell that is not decoded: {"bytes": ..., "path": ...}). Never its repr, which
+    holds a memory address."""
+    h = hashlib.blake2b(digest_size=16)
+    if isinstance(image, dict) and image.get("bytes") is not None:
+        h.update(b"encoded:" + bytes(image["bytes"]))
+    elif hasattr(image, "tobytes") and hasattr(image, "mode") and hasattr(image, "size"):
+        h.update(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode() + image.tobytes())
+    else:
+        raise TypeError(f"an image must be a PIL image or an encoded image cell, got {type(image).__name__}")
+    return h.hexdigest()
+
+
+def _plain(value: Any) -> str:
+    """A prompt's value JSON cannot hold, for its key: an image inside the messages by its pixels, else its text."""
+    try:
+        return image_digest(value)
+    except TypeError:
+        return str(value)
+
+
+def row_images(row: dict[str, Any]) -> list[Any]:
+    """The images of a dataset row as TRL reads them: its `images` list, else its `image` (none: [])."""
+    images = row.get("images")
+    if images:
+        return list(images)
+    return [row["image"]] if row.get("image") is not None else []
+
+
+def question_key(prompt: Any, images: Sequence[Any] = ()) -> str:
+    """A stable identity for a question: a hash of its prompt (a string or a list of chat messages) and of its images'
+    pixels, in order (`image_digest`): the same text over two images is two questions. Without images the key is the
+    prompt's alone, as before images were supported (states saved then keep their keys)."""
+    if isinstance(prompt, str):
+        text = prompt
+    else:
+        text = json.dumps(prompt, sort_keys=True, ensure_ascii=False, default=_plain)
+    if images:
+        text += "\x00images:" + ",".join(image_digest(image) for image in images)
     return hashlib.blake2b(text.encode("utf-8"), digest_size=16).hexdigest()
+
+
+def row_key(row: dict[str, Any]) -> str:
+    """The key of the question a dataset row asks (`question_key` of its prompt and images)."""
+    return question_key(row["prompt"], row_images(row))
 
 
 def gaussian_bucket_probabilities(

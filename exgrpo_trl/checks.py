@@ -19,9 +19,13 @@ ENVIRONMENT_OWNED_DATA = (
     "environment picks each question in reset(), so a replayed question's fresh rollouts cannot be put back on it; "
     "pass the questions as a train_dataset (each row is given to reset(**row)), or train with GRPOTrainer."
 )
-IMAGE_INPUTS = (
-    "ExGRPOTrainer does not support image inputs: the experience buffer keeps each question's dataset row in the "
-    "checkpoint's JSON state and scores stored trajectories with text-only forward passes; train with GRPOTrainer."
+IMAGE_MULTI_TURN = (
+    "ExGRPOTrainer does not replay image inputs with tools, environment_factory or rollout_func: a stored "
+    "trajectory's tool or environment images are not kept with it; train those with GRPOTrainer, or without images."
+)
+IMAGE_VLLM = (
+    "ExGRPOTrainer with image inputs has not been run with vLLM yet (colocate or server mode): generate with "
+    "transformers (use_vllm=False), or train with GRPOTrainer."
 )
 
 
@@ -175,7 +179,10 @@ def check_arguments(params: dict[str, Any]) -> None:
         raise NotADirectoryError(f"output_dir {output_dir} is a file, not a folder; give a folder (output_dir=...)")
     columns = getattr(params.get("train_dataset"), "column_names", None) or []
     if "image" in columns or "images" in columns:
-        raise NotImplementedError(IMAGE_INPUTS)
+        if any(params.get(name) for name in ("tools", "environment_factory", "rollout_func")):
+            raise NotImplementedError(IMAGE_MULTI_TURN)
+        if getattr(params["args"], "use_vllm", False):
+            raise NotImplementedError(IMAGE_VLLM)
     check_prompt_column(params.get("train_dataset"), "train_dataset")
     check_chat_template(params)
     check_offline_arguments(params)
@@ -184,11 +191,9 @@ def check_arguments(params: dict[str, Any]) -> None:
         check_prompt_column(dataset, f"eval_dataset[{name!r}]" if name else "eval_dataset")
 
 
-def check_built(cfg: ExGRPOConfig, loss_type: str, is_vlm: bool) -> list[str]:
+def check_built(cfg: ExGRPOConfig, loss_type: str) -> list[str]:
     """After GRPOTrainer.__init__ (which resolves the model and the loss): errors for what ExGRPO cannot train, and
     the warnings to log for settings that train but not as expected."""
-    if is_vlm:
-        raise NotImplementedError(IMAGE_INPUTS)
     if loss_type not in SUPPORTED_LOSS_TYPES:
         raise ValueError(f"ExGRPOTrainer supports loss_type in {SUPPORTED_LOSS_TYPES}, got {loss_type!r}")
     if cfg.remove_clip_after_replay_start and loss_type not in PPO_CLIPPED_LOSS_TYPES:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .buffer import question_key
+from .buffer import row_key
 
 OFFLINE_GUIDANCE = ("all_groups", "unsolved")
 
@@ -99,7 +99,7 @@ class OfflineGuide:
         chosen = offline_rows(
             rows.inputs,
             self,
-            [question_key(x["prompt"]) for x in rows.inputs],
+            [row_key(x) for x in rows.inputs],
             replayed_groups=plan.group_indices if plan is not None else (),
             process_index=process_index,
             k=k,

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .buffer import ExperienceBuffer, Trajectory, question_key, shortlist_candidates
+from .buffer import ExperienceBuffer, Trajectory, row_key, shortlist_candidates
 
 logger = logging.getLogger(__name__)
 
@@ -325,7 +325,7 @@ def collect(
         global_row = offset + local
         group = global_row // k
         successes = outcome.successes[group]
-        key = question_key(rows.inputs[local]["prompt"])
+        key = row_key(rows.inputs[local])
         if global_row % k == 0 and successes > 0:
             keep_row = collecting and successes < k
             groups.append(GroupOutcome(group, key, successes, rows.inputs[local] if keep_row else None))

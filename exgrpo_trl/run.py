@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .buffer import ExperienceBuffer
+from .buffer import ExperienceBuffer, question_key, row_images, row_key
 from .checkpoints import restore_state
 from .loss import ReplayTokenStats, aggregate_token_loss, shaped_replay_token_loss
 from .offline import NoOfflineGuide, OfflineGuide
@@ -102,6 +102,15 @@ class Ranks:
     broadcast: Callable[[Any], Any] = _same  # the main process's object, on every rank
     gather_objects: Callable[[list], list] = _same  # every rank's list, concatenated in rank order
     gather: Callable[[torch.Tensor], torch.Tensor] = _same  # every rank's tensor, concatenated along dim 0
+
+
+def dataset_keys(dataset) -> list[str]:
+    """Each row's question key (`buffer.row_key`); a dataset without image columns is keyed by its prompts alone,
+    read as one column (no row is built)."""
+    columns = getattr(dataset, "column_names", None) or []
+    if "image" not in columns and "images" not in columns:
+        return [question_key(prompt) for prompt in dataset["prompt"]]
+    return [row_key(row) for row in dataset]
 
 
 def _plain(value):
@@ -245,11 +254,11 @@ class ExGRPORun:
             f"{report.trajectories} trajectories, {how}."
         )
 
-    def wrap_sampler(self, inner, prompts: Callable[[], Sequence[Any]]) -> SkipRetiredSampler:
-        """TRL's sampler, wrapped so that retired questions are skipped and its place is saved (with nothing to skip
-        it yields exactly TRL's indices). A sampler rebuilt after a resume keeps the restored place."""
+    def wrap_sampler(self, inner, dataset) -> SkipRetiredSampler:
+        """TRL's sampler over `dataset`, wrapped so that retired questions are skipped and its place is saved (with
+        nothing to skip it yields exactly TRL's indices). A sampler rebuilt after a resume keeps the restored place."""
         retired = self.buffer.retired if self.cfg.skips_retired else set()
-        sampler = SkipRetiredSampler(inner, prompts, retired)
+        sampler = SkipRetiredSampler(inner, lambda: dataset_keys(dataset), retired)
         if self.sampler is not None and self.sampler.resume is not None:
             sampler.resume = self.sampler.resume
         self.sampler = sampler
@@ -419,7 +428,9 @@ class ExGRPORun:
             record["rewards"] = {name: None if math.isnan(v) else v for name, v in zip(names, values)}
         if batch.fields[local]:
             record["fields"] = batch.fields[local]
-        if batch.prompts[local] != batch.rows.inputs[local].get("prompt"):
+        row = batch.rows.inputs[local]
+        # TRL's prompt of a row with images holds them (not JSON); an environment cannot complete it (rejected at init)
+        if not row_images(row) and batch.prompts[local] != row.get("prompt"):
             record["prompt"] = batch.prompts[local]
         if not record:
             return None

@@ -10,8 +10,6 @@ from typing import Any
 
 import torch
 
-from .buffer import question_key
-
 logger = logging.getLogger(__name__)
 
 
@@ -34,9 +32,9 @@ class SkipRetiredSampler(torch.utils.data.Sampler):
     which epoch it draws through `set_epoch`; without it, epochs are counted.
     """
 
-    def __init__(self, inner, prompts_fn: Callable[[], Sequence[Any]], retired: set[str]):
+    def __init__(self, inner, keys_fn: Callable[[], Sequence[str]], retired: set[str]):
         self.inner = inner
-        self._prompts_fn = prompts_fn
+        self._keys_fn = keys_fn  # each dataset row's question key (`buffer.row_key`), read once
         self._keys: list[str] | None = None
         self.retired = retired
         self.passes: list[frozenset[str]] = []  # questions excluded by each pass of the current epoch
@@ -107,7 +105,7 @@ class SkipRetiredSampler(torch.utils.data.Sampler):
             active = range(full)
             if excluded:
                 if self._keys is None:
-                    self._keys = [question_key(p) for p in self._prompts_fn()]
+                    self._keys = list(self._keys_fn())
                 active = [i for i, key in enumerate(self._keys) if key not in excluded]
                 if len(active) < self.inner.batch_size:
                     logger.warning(

@@ -13,8 +13,11 @@ Layout, inside a checkpoint folder:
 
 Format 1 is the single-turn layout; format 2 adds the optional "model_mask" array and per-question "records", and
 is written only when the buffer holds tool-calling or environment trajectories, so a single-turn state is written
-exactly as before and older versions of exgrpo-trl still read it. Both formats are read (a format-1 state: every
-token is the model's).
+exactly as before and older versions of exgrpo-trl still read it. Format 3 adds the images of questions with image
+inputs: each image's PNG bytes (lossless: the pixels, and so the question's key, come back exactly) concatenated in
+the "image_bytes" array with their sizes in "image_lengths", and in the question's row in state.json a reference
+{"exgrpo_image": i} where the image was; it is written only when some buffered question has an image. All three
+formats are read (a format-1 state: every token is the model's).
 
 The folder is written under a temporary name and renamed into place, so a crash never leaves a half-written
 state behind. No pickle anywhere. Like buffer.py, this module imports nothing from trl, transformers or accelerate.
@@ -40,8 +43,9 @@ STATE_DIRNAME = "exgrpo_state"
 ARRAYS_FILENAME = "buffer.safetensors"
 META_FILENAME = "state.json"
 FORMAT_NAME = "exgrpo-trl-state"
-FORMAT_VERSION = 2  # the newest format this version writes (format 1 for a single-turn buffer)
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # the newest format this version writes (1 for a single-turn buffer, 2 with tool tokens)
+READABLE_VERSIONS = (1, 2, 3)
+IMAGE_REF = "exgrpo_image"  # in a saved row, where an image was: {"exgrpo_image": its index in "image_lengths"}
 
 
 class StateFileError(RuntimeError):
@@ -72,12 +76,14 @@ def save_state(directory: str | os.PathLike, buffer: ExperienceBuffer, trainer_s
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
+        buffer_meta = buffer.state_meta()
+        images = _take_images(buffer_meta["questions"])
         meta = {
             "format": FORMAT_NAME,
-            "format_version": _format_version(buffer),
-            "buffer": buffer.state_meta(),
+            "format_version": 3 if images else _format_version(buffer),
+            "buffer": buffer_meta,
             "trainer": trainer_state,
-            "arrays": _write_arrays(tmp / ARRAYS_FILENAME, list(buffer.iter_trajectories())),
+            "arrays": _write_arrays(tmp / ARRAYS_FILENAME, list(buffer.iter_trajectories()), images),
         }
         text = json.dumps(meta, default=_json_default)  # dumps, not dump: only dumps uses the C encoder
         with open(tmp / META_FILENAME, "w", encoding="utf-8") as f:
@@ -104,7 +110,74 @@ _IOV_MAX = 512  # buffers per writev / preadv call (POSIX guarantees at least 16
 
 
 def _format_version(buffer: ExperienceBuffer) -> int:
-    return FORMAT_VERSION if buffer.is_multi_turn else 1
+    return 2 if buffer.is_multi_turn else 1
+
+
+def _is_image(value: Any) -> bool:
+    return hasattr(value, "save") and hasattr(value, "mode") and hasattr(value, "size") and hasattr(value, "tobytes")
+
+
+def _take_images(questions: list[dict[str, Any]]) -> list[np.ndarray]:
+    """The images of the questions' rows (an `image` value, the items of an `images` list, or images inside the
+    prompt's messages), each as its PNG bytes, in order; each row that holds one is replaced by a copy with
+    {"exgrpo_image": i} in its place."""
+    import io
+
+    pieces: list[np.ndarray] = []
+
+    def take(value):
+        if isinstance(value, dict):
+            return {k: take(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [take(v) for v in value]
+        if not _is_image(value):
+            return value
+        out = io.BytesIO()
+        try:
+            value.save(out, format="PNG")
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"an image of mode {value.mode} cannot be saved as PNG in the ExGRPO state ({e})") from e
+        pieces.append(np.frombuffer(out.getvalue(), dtype=np.uint8))
+        return {IMAGE_REF: len(pieces) - 1}
+
+    for question in questions:
+        question["row"] = take(question["row"])
+    return pieces
+
+
+def _put_images(questions: list[dict[str, Any]], images: list[Any]) -> None:
+    """Undo `_take_images` on state.json's questions: each {"exgrpo_image": i} becomes image i."""
+
+    def put(value):
+        if isinstance(value, dict):
+            return images[value[IMAGE_REF]] if set(value) == {IMAGE_REF} else {k: put(v) for k, v in value.items()}
+        return [put(v) for v in value] if isinstance(value, list) else value
+
+    if images:
+        for question in questions:
+            question["row"] = put(question["row"])
+
+
+def read_images(directory: str | os.PathLike, meta: dict[str, Any]) -> list[Any]:
+    """The images a format-3 state holds, decoded (PIL images), in index order; [] for a state without images."""
+    import io
+
+    from PIL import Image
+
+    if "image_lengths" not in meta["arrays"]:
+        return []
+    path = Path(directory) / STATE_DIRNAME / ARRAYS_FILENAME
+    arrays = read_small_arrays(directory, meta, ("image_bytes", "image_lengths"))
+    data, lengths = arrays["image_bytes"], arrays["image_lengths"]
+    if (lengths < 0).any() or int(lengths.sum()) != data.size:
+        raise StateFileError(f"ExGRPO state in {path.parent} is inconsistent: image sizes do not add up")
+    images, start = [], 0
+    for n in lengths.tolist():
+        image = Image.open(io.BytesIO(data[start : start + n].tobytes()))
+        image.load()
+        images.append(image)
+        start += n
+    return images
 
 
 def _saved_arrays(trajectories: list[Trajectory]) -> list[tuple[str, np.dtype, list[np.ndarray]]]:
@@ -126,16 +199,22 @@ def _file_order(names_and_dtypes) -> list[str]:
     return [name for name, dtype in sorted(names_and_dtypes, key=lambda nd: (-nd[1].itemsize, nd[0]))]
 
 
-def _write_arrays(path: Path, trajectories: list[Trajectory]) -> dict[str, dict[str, Any]]:
-    """Write the buffer's arrays to a safetensors file piece by piece; returns state.json's "arrays" entries."""
+def _write_arrays(
+    path: Path, trajectories: list[Trajectory], images: list[np.ndarray] = ()
+) -> dict[str, dict[str, Any]]:
+    """Write the buffer's arrays (and the rows' `images`, PNG bytes) to a safetensors file piece by piece; returns
+    state.json's "arrays" entries."""
     arrays = _saved_arrays(trajectories)
+    if images:
+        lengths = np.array([piece.size for piece in images], dtype=np.int64)
+        arrays += [("image_bytes", np.dtype(np.uint8), list(images)), ("image_lengths", np.dtype(np.int64), [lengths])]
     for name, dtype, pieces in arrays:
         for piece in pieces:
             if piece.dtype != dtype or not piece.flags.c_contiguous:
                 raise ValueError(f"a stored trajectory's {name} is not a contiguous {dtype} array")
     sizes = {name: sum(p.size for p in pieces) for name, _, pieces in arrays}
     by_name = {name: (dtype, pieces) for name, dtype, pieces in arrays}
-    layout = FORMAT_VERSION if "model_mask" in by_name else 1  # the arrays' layout: format 1 unless masks are saved
+    layout = 3 if images else 2 if "model_mask" in by_name else 1  # the arrays' layout
     header: dict[str, Any] = {"__metadata__": {"format": FORMAT_NAME, "version": str(layout)}}
     offset = 0
     order = _file_order((name, dtype) for name, dtype, _ in arrays)
@@ -528,6 +607,7 @@ def load_state(
     if buffer is not None:
         if with_trajectories:
             trajectories = read_trajectories(directory, meta)
+            _put_images(meta["buffer"]["questions"], read_images(directory, meta))
             try:
                 buffer.restore(meta["buffer"], trajectories)
             except (KeyError, ValueError, TypeError) as e:

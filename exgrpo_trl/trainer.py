@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import math
 import os
 import textwrap
 import warnings
+from typing import Any
 
+import numpy as np
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
+from trl.data_utils import prepare_multimodal_messages
 from trl.models.utils import disable_gradient_checkpointing
 
+from .buffer import row_images
 from .card import add_section, exgrpo_card_section, fix_local_references
 from .checkpoints import remove_state_leftovers, rotate_checkpoints
 from .checks import check_arguments, check_built
@@ -67,6 +72,24 @@ def _from_run(name: str, doc: str) -> property:
     return property(
         lambda self: getattr(self.exgrpo_run, name), lambda self, v: setattr(self.exgrpo_run, name, v), doc=doc
     )
+
+
+@contextlib.contextmanager
+def _own_key_names(model):
+    """Within the block, `model.save_pretrained` writes the model's own weight names. transformers saves a model that
+    has a checkpoint conversion mapping (Qwen2-VL, LLaVA and other vision-language models) under its original names,
+    but resumes a checkpoint with a plain `load_state_dict`, which then matches no weight and trains on from the base
+    model's (transformers#43701): a checkpoint must hold the names it is resumed with. For other models the two are
+    the same and nothing changes."""
+    save = type(model).save_pretrained
+    if "save_original_format" not in inspect.signature(save).parameters:  # a PEFT model or an older transformers
+        yield
+        return
+    model.save_pretrained = functools.partial(save, model, save_original_format=False)
+    try:
+        yield
+    finally:
+        del model.save_pretrained
 
 
 def save_without_push(trainer, output_dir: str) -> None:
@@ -171,7 +194,7 @@ class ExGRPOTrainer(GRPOTrainer):
         reward_funcs = params.get("reward_funcs")
         num_user_rewards = 0 if reward_funcs is None else len(reward_funcs) if isinstance(reward_funcs, list) else 1
         super().__init__(**params)
-        for warning in check_built(self.args, self.loss_type, self._is_vlm):
+        for warning in check_built(self.args, self.loss_type):
             logger.warning(warning)
         acc = self.accelerator
         self.exgrpo_run = ExGRPORun(
@@ -213,7 +236,7 @@ class ExGRPOTrainer(GRPOTrainer):
         # Always wrapped, so that where the sampler is in its epochs is saved with checkpoints (a resume in a later
         # epoch draws that epoch's order); with nothing to skip it yields exactly TRL's sampler's indices.
         dataset = self.train_dataset if dataset is None else dataset
-        return self.exgrpo_run.wrap_sampler(super()._get_train_sampler(dataset), lambda: dataset["prompt"])
+        return self.exgrpo_run.wrap_sampler(super()._get_train_sampler(dataset), dataset)
 
     # ------------------------------------------------------------------------------------------ generation
     def _generate_and_score_completions(self, inputs):
@@ -311,20 +334,30 @@ class ExGRPOTrainer(GRPOTrainer):
     def _exgrpo_score_candidates(self, rows, prompts, completion_ids, masks) -> torch.Tensor:
         """The run's scorer: each stored candidate's mean entropy under the current policy, its prompt tokenized as
         TRL renders it for generation (with the tools of its row's environment)."""
+        vision = None
+        if self._is_vlm:  # each candidate with its question's images, as the training forward sees them
+            prompts = vision = [prepare_multimodal_messages(p, row_images(r) or None) for r, p in zip(rows, prompts)]
         if self.environment_factories is None:
             prompt_ids = self._tokenize_prompts(prompts)[0]
         else:  # TRL sets `_batch_environments` per generation batch, before generating; here, for these rows
             environments = [row.get("environment") if self._multi_environment else None for row in rows]
             with swapped(self, _batch_environments=environments):
                 prompt_ids = self._tokenize_prompts(prompts)[0]
-        return self._exgrpo_score_entropies(prompt_ids, completion_ids, masks)
+        if vision is None:
+            return self._exgrpo_score_entropies(prompt_ids, completion_ids, masks)
+        return self._exgrpo_score_entropies(prompt_ids, completion_ids, masks, vision=vision)
 
     @torch.no_grad()
     def _exgrpo_score_entropies(
-        self, prompt_ids: list[list[int]], completion_ids: list[list[int]], masks: list | None = None
+        self,
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+        masks: list | None = None,
+        vision: list | None = None,
     ) -> torch.Tensor:
         """Mean per-token entropy of each (prompt, completion) under the current policy, over the model's tokens of
-        its completion only (`masks`: per row, 1 for the model's tokens; None: all of them).
+        its completion only (`masks`: per row, 1 for the model's tokens; None: all of them). `vision`: for a
+        vision-language model, each row's prompt as messages holding its images (None: text only).
 
         The candidates are split evenly over the ranks, each rank padding its share to the same number of rows, so
         every rank runs the same number of forward passes (DeepSpeed ZeRO-3 hangs otherwise); results are gathered.
@@ -336,13 +369,20 @@ class ExGRPOTrainer(GRPOTrainer):
         mine += [mine[-1] if mine else 0] * (per_rank - len(mine))  # padding rows: scored, then discarded
         masks = [None] * total if masks is None else masks
         entropies = self._exgrpo_mean_entropies(
-            [prompt_ids[i] for i in mine], [completion_ids[i] for i in mine], [masks[i] for i in mine]
+            [prompt_ids[i] for i in mine],
+            [completion_ids[i] for i in mine],
+            [masks[i] for i in mine],
+            None if vision is None else [vision[i] for i in mine],
         )
         return self.accelerator.gather(entropies).cpu()[:total]
 
     @torch.no_grad()
     def _exgrpo_mean_entropies(
-        self, prompt_ids: list[list[int]], completion_ids: list[list[int]], masks: list | None = None
+        self,
+        prompt_ids: list[list[int]],
+        completion_ids: list[list[int]],
+        masks: list | None = None,
+        vision: list | None = None,
     ) -> torch.Tensor:
         """Mean entropy of each row over its completion's model tokens (`masks`, None: all of them), in forward
         passes over rows of similar length.
@@ -370,6 +410,7 @@ class ExGRPOTrainer(GRPOTrainer):
                     self._tokenizer.pad_token_id,
                     device=self.accelerator.device,
                 )
+                images = {} if vision is None else self._exgrpo_vision_inputs([vision[i] for i in rows], input_ids)
                 _, entropies, _ = self._get_per_token_logps_and_entropies(
                     self.model,
                     input_ids,
@@ -377,10 +418,32 @@ class ExGRPOTrainer(GRPOTrainer):
                     completion_mask.size(1),
                     batch_size=len(rows),
                     compute_entropy=True,
+                    **images,
                 )
                 model_tokens = completion_mask * model_token_mask([masks[i] for i in rows], completion_mask)  # (B, C)
                 means[torch.tensor(rows, device=means.device)] = masked_mean_per_row(entropies.float(), model_tokens)
         return means
+
+    def _exgrpo_vision_inputs(self, prompts: list, input_ids: torch.Tensor) -> dict[str, Any]:
+        """The image inputs of one scoring chunk, as `_get_per_token_logps_and_entropies` takes them for a training
+        forward: the processor's fields for these prompts (`_tokenize_prompts`: pixel values, image grids, ...), the
+        images per row, and the per-token fields (token type ids) left-padded like the prompts and 0 over the
+        completion. `input_ids`: the chunk's (B, P + C) tokens from `pad_prompt_completion`."""
+        prompt_ids, images, fields = self._tokenize_prompts(prompts)
+        if images is None:  # no row of the chunk has an image
+            return {}
+        width, device = input_ids.size(1), input_ids.device
+        out: dict[str, Any] = {"num_images": [len(row) if row else 0 for row in images]}
+        width_prompt = max(len(ids) for ids in prompt_ids)
+        for name, value in fields.items():  # as TRL's generation takes them
+            if isinstance(value, list) and value and isinstance(value[0], list):  # per token of each prompt
+                padded = torch.zeros((len(value), width), dtype=torch.long, device=device)
+                for i, row in enumerate(value):
+                    padded[i, width_prompt - len(row) : width_prompt] = torch.as_tensor(row, dtype=torch.long)
+                out[name] = padded
+            else:  # pixel values, image grids, ...: a tensor, or arrays to stack into one
+                out[name] = (value if isinstance(value, torch.Tensor) else torch.tensor(np.array(value))).to(device)
+        return out
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Every training log row carries every ExGRPO metric (`ExGRPORun.fill_log`).
@@ -400,7 +463,7 @@ class ExGRPOTrainer(GRPOTrainer):
         # Rotation is ours (below): transformers orders checkpoints by folder time, and a checkpoint half-deleted by
         # a crash during rotation has the freshest time, so it was kept while complete ones were deleted.
         limit = self.args.save_total_limit
-        with swapped(self.args, save_total_limit=None):
+        with swapped(self.args, save_total_limit=None), _own_key_names(self.model):
             super()._save_checkpoint(model, trial)
         if self.args.should_save:
             rotate_checkpoints(

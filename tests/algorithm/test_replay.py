@@ -265,7 +265,7 @@ class PermutationSampler:
 def test_skip_retired_sampler_keeps_the_epoch_length_and_skips_retired():
     prompts = [f"q{i}" for i in range(8)]
     retired = set()
-    sampler = SkipRetiredSampler(PermutationSampler(8, 2), lambda: prompts, retired)
+    sampler = SkipRetiredSampler(PermutationSampler(8, 2), lambda: [question_key(q) for q in prompts], retired)
     assert sorted(sampler) == list(range(8))  # nothing retired: the inner order over every row
     retired.update({question_key("q1"), question_key("q6")})
     epoch = list(sampler)
@@ -278,14 +278,16 @@ def test_skip_retired_sampler_keeps_the_epoch_length_and_skips_retired():
 def test_skip_retired_sampler_falls_back_when_less_than_a_batch_remains():
     prompts = [f"q{i}" for i in range(4)]
     retired = {question_key(p) for p in prompts[:3]}
-    sampler = SkipRetiredSampler(PermutationSampler(4, 2), lambda: prompts, retired)
+    sampler = SkipRetiredSampler(PermutationSampler(4, 2), lambda: [question_key(q) for q in prompts], retired)
     assert sorted(sampler) == [0, 1, 2, 3]  # 1 question left < a batch of 2: the whole dataset again
 
 
 @pytest.mark.parametrize("resume_passes", [[frozenset({question_key("q0")})]])
 def test_skip_retired_sampler_replays_the_saved_passes(resume_passes):
     prompts = [f"q{i}" for i in range(4)]
-    sampler = SkipRetiredSampler(PermutationSampler(4, 1), lambda: prompts, {question_key("q3")})
+    sampler = SkipRetiredSampler(
+        PermutationSampler(4, 1), lambda: [question_key(q) for q in prompts], {question_key("q3")}
+    )
     sampler.load_state_dict({"epoch": None, "passes": [sorted(p) for p in resume_passes]})  # an older checkpoint's
     epoch = list(sampler)
     assert 0 not in epoch[:3] and sorted(epoch[:3]) == [1, 2, 3]  # the saved pass excluded q0, not today's q3

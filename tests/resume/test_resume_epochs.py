@@ -32,7 +32,7 @@ PROMPTS = [f"q{i}" for i in range(12)]
 def _sampler(retired=None, seed=0):
     # TRL's sampler as GRPOTrainer builds it: 12 questions, each repeated twice in a row, 3 questions per batch
     inner = RepeatSampler(PROMPTS, mini_repeat_count=2, batch_size=3, repeat_count=1, shuffle=True, seed=seed)
-    return SkipRetiredSampler(inner, lambda: PROMPTS, set() if retired is None else retired)
+    return SkipRetiredSampler(inner, lambda: [question_key(q) for q in PROMPTS], set() if retired is None else retired)
 
 
 def _epoch(sampler, epoch):

@@ -154,11 +154,11 @@ class RecordingTrainer(ExGRPOTrainer):
             self._generating = False
 
     # ---------------------------------------------------------------------------------------- scoring
-    def _exgrpo_score_entropies(self, prompt_ids, completion_ids, masks=None):
+    def _exgrpo_score_entropies(self, prompt_ids, completion_ids, masks=None, **vision):
         before = self.scoring_forwards
         self._in_scoring = True
         try:
-            result = self._score(prompt_ids, completion_ids, masks)
+            result = self._score(prompt_ids, completion_ids, masks, **vision)
         finally:
             self._in_scoring = False
         self.rec["scoring"].append(
@@ -171,9 +171,9 @@ class RecordingTrainer(ExGRPOTrainer):
         )
         return result
 
-    def _score(self, prompt_ids, completion_ids, masks):
+    def _score(self, prompt_ids, completion_ids, masks, **vision):
         if not self._break_padding:
-            return super()._exgrpo_score_entropies(prompt_ids, completion_ids, masks)
+            return super()._exgrpo_score_entropies(prompt_ids, completion_ids, masks, **vision)
         # The same contiguous shares as the real method, without padding them to the same number of rows: with 2B+1
         # candidates one rank runs two forward passes and the other one.
         from accelerate.utils import gather_object

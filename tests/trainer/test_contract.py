@@ -139,8 +139,9 @@ def test_images_and_plain_grpo_config_rejected(tmp_path, tokenizer):
     from datasets import Dataset
     from trl import GRPOConfig
 
-    with pytest.raises(NotImplementedError, match="image inputs"):
-        make_trainer(tmp_path, tokenizer, train_dataset=Dataset.from_dict({"prompt": ["a"], "image": [None]}))
+    with pytest.raises(NotImplementedError, match="image inputs has not been run with vLLM"):
+        images = Dataset.from_dict({"prompt": ["a"], "image": [None]})
+        make_trainer(tmp_path, tokenizer, train_dataset=images, use_vllm=True, vllm_mode="colocate")
     with pytest.raises(TypeError, match="needs an ExGRPOConfig, got a GRPOConfig"):
         ExGRPOTrainer(  # by hand: the mistake under test, a GRPOConfig, which make_trainer never pairs with it
             model=make_model(tokenizer),

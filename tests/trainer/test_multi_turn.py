@@ -19,7 +19,7 @@ import torch
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.buffer import question_key
-from exgrpo_trl.checks import ENVIRONMENT_OWNED_DATA, IMAGE_INPUTS
+from exgrpo_trl.checks import ENVIRONMENT_OWNED_DATA, IMAGE_MULTI_TURN
 from exgrpo_trl.trainer import BatchKey
 from tests.helpers import config_kwargs, make_trainer
 from tests.support.recording import RecordingTrainer
@@ -334,13 +334,14 @@ def test_environment_owned_data_is_rejected(tmp_path):
         )
 
 
-def test_image_inputs_are_rejected(tmp_path, tokenizer):
+def test_image_inputs_with_tools_are_rejected(tmp_path, tokenizer):
+    """Images train with replay (tests/trainer/test_vlm.py), but not beside tools: a tool's images are not stored."""
     from datasets import Dataset
 
     dataset = Dataset.from_dict({"prompt": ["1+1="] * 8, "image": [None] * 8})
     with pytest.raises(NotImplementedError) as info:
-        make_trainer(tmp_path, tokenizer, train_dataset=dataset)
-    assert str(info.value) == IMAGE_INPUTS
+        make_trainer(tmp_path, tokenizer, train_dataset=dataset, trainer_kwargs={"tools": [add]})
+    assert str(info.value) == IMAGE_MULTI_TURN
 
 
 # ------------------------------------------------------------------------------------------------ calculator task

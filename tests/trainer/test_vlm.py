@@ -1,0 +1,174 @@
+"""Image inputs under replay, on a tiny Qwen2-VL built offline (tests/support/tiny_vlm.py): question keys that hold
+the images, images in the saved state, entropy scoring with the question's images, replay_ratio=0 against
+GRPOTrainer, replayed rows carrying their question's image, and a resume with images in the buffer."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from exgrpo_trl.buffer import ExperienceBuffer, Trajectory, image_digest, question_key, row_key
+from exgrpo_trl.checks import IMAGE_MULTI_TURN, IMAGE_VLLM
+from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, load_state, read_meta, save_state
+from tests.helpers import make_trainer
+from tests.support.tiny_vlm import build_tiny_vlm, colour_image, colour_reward, tiny_vlm_dataset, vlm_prompt
+
+K = 4
+
+
+def vlm_trainer(tmp_path, cls=None, dataset=None, seed=0, **config):
+    model, processor = build_tiny_vlm(seed=seed)
+    settings = dict(per_device_train_batch_size=16, num_generations=K, max_completion_length=4, max_steps=4)
+    return make_trainer(
+        tmp_path,
+        processor,
+        cls=cls,
+        model=model,
+        reward_funcs=colour_reward,
+        train_dataset=tiny_vlm_dataset(32, seed=1) if dataset is None else dataset,
+        **{**settings, **config},
+    )
+
+
+def test_a_question_key_holds_its_images():
+    prompt = vlm_prompt()
+    red, blue = colour_image("red"), colour_image("blue")
+    # the same text over two images: two questions; the same pixels in another object: the same question
+    assert question_key(prompt, [red]) != question_key(prompt, [blue])
+    assert question_key(prompt, [red]) == question_key(prompt, [colour_image("red")])
+    assert row_key({"prompt": prompt, "image": red}) == question_key(prompt, [red])
+    assert row_key({"prompt": prompt, "images": [red, blue]}) != row_key({"prompt": prompt, "images": [blue, red]})
+    # without images the key is the prompt's alone (as saved states hold it): blake2b-128 of the text
+    assert question_key("1+1=") == hashlib.blake2b(b"1+1=", digest_size=16).hexdigest()
+    assert row_key({"prompt": "1+1=", "image": None}) == question_key("1+1=")
+    # an image's digest is its pixels': mode "RGB", 28 x 28, then 28 * 28 * 3 bytes of (255, 0, 0)
+    expected = hashlib.blake2b(b"RGB:28x28:" + bytes([255, 0, 0]) * 28 * 28, digest_size=16).hexdigest()
+    assert image_digest(red) == expected
+
+
+def test_images_are_saved_in_the_state_as_png_bytes(tmp_path):
+    buffer = ExperienceBuffer(K)
+    red, blue = colour_image("red"), colour_image("blue", size=56)
+    for image in (red, blue):
+        row = {"prompt": vlm_prompt(), "image": image, "answer": "x"}
+        buffer.update_group(row_key(row), 2, row, [Trajectory(np.array([5, 1]), np.array([-0.5, -0.25]), 3)])
+    save_state(tmp_path, buffer, {"replay_active": True})
+    meta = read_meta(tmp_path)
+    assert meta["format_version"] == 3
+    # the rows in state.json hold references where the images were
+    assert [q["row"]["image"] for q in meta["buffer"]["questions"]] == [{"exgrpo_image": 0}, {"exgrpo_image": 1}]
+    png = []
+    for image in (red, blue):
+        out = io.BytesIO()
+        image.save(out, format="PNG")
+        png.append(out.getvalue())
+    # the bytes stored per question: its image's PNG encoding, no more
+    assert meta["arrays"]["image_lengths"]["size"] == 2
+    assert meta["arrays"]["image_bytes"]["size"] == len(png[0]) + len(png[1])
+    raw = (tmp_path / STATE_DIRNAME / ARRAYS_FILENAME).read_bytes()
+    assert png[0] + png[1] in raw
+    assert "exgrpo_image" in (tmp_path / STATE_DIRNAME / META_FILENAME).read_text()
+
+    restored = ExperienceBuffer(K)
+    load_state(tmp_path, restored)
+    assert list(restored.questions) == list(buffer.questions)  # the keys: the pixels came back exactly
+    for key, entry in restored.questions.items():
+        assert (
+            row_key(entry.row) == key and entry.row["image"].tobytes() == buffer.questions[key].row["image"].tobytes()
+        )
+    # the buffer's own rows were not touched by saving
+    assert all(not isinstance(e.row["image"], dict) for e in buffer.questions.values())
+
+
+def test_init_rejects_what_is_not_replayed_with_images(tmp_path):
+    with pytest.raises(NotImplementedError) as info:
+        vlm_trainer(tmp_path, trainer_kwargs={"tools": [len]})
+    assert str(info.value) == IMAGE_MULTI_TURN
+    with pytest.raises(NotImplementedError) as info:
+        vlm_trainer(tmp_path, use_vllm=True)
+    assert str(info.value) == IMAGE_VLLM
+
+
+def test_entropy_scoring_uses_the_question_image(tmp_path):
+    """The scorer's mean entropy of a stored completion equals one computed here by hand from the processor and the
+    model (prompt with its image, then the completion, entropy of each completion token's next-token distribution),
+    and another image gives another figure."""
+    trainer = vlm_trainer(tmp_path)
+    processor, model = trainer.processing_class, trainer.model.eval()
+    completion = processor.tokenizer.convert_tokens_to_ids(["red", "blue", "<|im_end|>"])
+
+    def by_hand(image):
+        messages = [{"role": "user", "content": [{"type": "image", "image": image}, vlm_prompt()[0]["content"][1]]}]
+        encoded = processor.apply_chat_template(
+            [messages], add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+        )
+        ids = torch.cat([encoded["input_ids"], torch.tensor([completion])], dim=1)
+        extra = {k: v for k, v in encoded.items() if k not in ("input_ids", "attention_mask", "mm_token_type_ids")}
+        types = torch.cat([encoded["mm_token_type_ids"], torch.zeros(1, len(completion), dtype=torch.long)], dim=1)
+        with torch.no_grad():
+            logits = model(input_ids=ids, mm_token_type_ids=types, **extra).logits[0, -len(completion) - 1 : -1]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return float(-(logp.exp() * logp).sum(-1).mean())
+
+    rows = [{"prompt": vlm_prompt(), "image": colour_image(c), "answer": c} for c in ("red", "green")]
+    scores = trainer._exgrpo_score_candidates(rows, [r["prompt"] for r in rows], [completion] * 2, [None, None])
+    expected = [by_hand(colour_image("red")), by_hand(colour_image("green"))]
+    assert scores.tolist() == pytest.approx(expected, abs=1e-5)
+    assert abs(expected[0] - expected[1]) > 1e-4  # the image matters, so the comparison means something
+
+
+def test_replay_ratio_zero_is_grpo_on_a_vlm(tmp_path):
+    from trl import GRPOTrainer
+
+    grpo = vlm_trainer(tmp_path / "grpo", cls=GRPOTrainer, max_steps=3)
+    grpo.train()
+    ex = vlm_trainer(tmp_path / "ex", replay_ratio=0.0, max_steps=3)
+    ex.train()
+    for (name, a), (_, b) in zip(grpo.model.named_parameters(), ex.model.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_replayed_rows_carry_their_question_image(tmp_path):
+    """Replay from the first batch; every replayed group's K rows are its question's row, image included (their key,
+    which holds the image's pixels, is the plan's key), and the stored trajectory's question is that image's."""
+    trainer = vlm_trainer(tmp_path, replay_start_pass_rate=0.0, steps_per_generation=1, max_steps=6)
+    run = trainer.exgrpo_run
+    seen = []
+    assign = run.assign_rows
+
+    def recorded(inputs, plan):
+        rows = assign(inputs, plan)
+        seen.append((plan, [dict(x) for x in rows.inputs]))
+        return rows
+
+    run.assign_rows = recorded
+    trainer.train()
+    replayed = [(plan, rows) for plan, rows in seen if plan is not None]
+    assert replayed, "nothing was replayed"
+    for plan, rows in replayed:
+        for j, group in enumerate(plan.group_indices):
+            group_rows = rows[group * K : (group + 1) * K]
+            assert {row_key(r) for r in group_rows} == {plan.keys[j]}
+            assert all(r["image"] is not None for r in group_rows)
+    assert all(row_key(e.row) == key for key, e in trainer.experience_buffer.questions.items())
+
+
+def test_resume_with_images_in_the_buffer_is_bitwise(tmp_path):
+    straight = vlm_trainer(tmp_path / "a", replay_start_pass_rate=0.0, steps_per_generation=1, max_steps=6)
+    straight.train()
+    first = vlm_trainer(
+        tmp_path / "b", replay_start_pass_rate=0.0, steps_per_generation=1, max_steps=6, save_strategy="steps",
+        save_steps=3,
+    )  # fmt: skip
+    first.train()
+    resumed = vlm_trainer(tmp_path / "b", replay_start_pass_rate=0.0, steps_per_generation=1, max_steps=6)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "out" / "checkpoint-3"))
+    assert resumed.state.global_step == 6
+    for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(a, b), name
+    assert list(resumed.experience_buffer.questions) == list(straight.experience_buffer.questions)
+    assert resumed.experience_buffer.num_trajectories == straight.experience_buffer.num_trajectories
