@@ -172,3 +172,23 @@ def test_resume_with_images_in_the_buffer_is_bitwise(tmp_path):
         assert torch.equal(a, b), name
     assert list(resumed.experience_buffer.questions) == list(straight.experience_buffer.questions)
     assert resumed.experience_buffer.num_trajectories == straight.experience_buffer.num_trajectories
+
+
+def test_a_vlm_checkpoint_holds_the_names_it_is_resumed_with(tmp_path):
+    """Checkpoints of a model with a conversion mapping keep the model's own weight names (what Trainer's resume loads
+    with a plain load_state_dict), and from_pretrained still reads them."""
+    from safetensors.torch import load_file
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from exgrpo_trl.trainer import _own_key_names
+
+    model, _ = build_tiny_vlm()
+    model.save_pretrained(tmp_path / "plain")
+    with _own_key_names(model):
+        model.save_pretrained(tmp_path / "own")
+    own = load_file(str(tmp_path / "own" / "model.safetensors"))
+    assert set(own) == set(model.state_dict())
+    assert set(load_file(str(tmp_path / "plain" / "model.safetensors"))) != set(own)  # transformers' own default
+    loaded = Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "own")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
+    assert "save_pretrained" not in vars(model)  # the method is the class's again
