@@ -16,6 +16,8 @@ buffer order and each question's trajectories in stored order:
     source           "on_policy", or "offline" when every behaviour log-prob is exactly 0 (probability 1)
     mask, record     multi-turn buffers only: the model mask (1 where the model produced the token; None: every
                      token) and, as JSON, what the reward functions were given beyond the token ids (or None)
+    images           buffers with image inputs only: the question's images (a `datasets` Image list, PNG), and in
+                     `row` a reference {"exgrpo_image": i} where image i was
 
 Beside the rows, a JSON object says what the ids mean: the export format, the buffer's `num_generations` and the
 tokenizer's class and fingerprint (`tokenizer_fingerprint`). An export folder holds it as `exgrpo_export.json`
@@ -44,7 +46,7 @@ import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from .buffer import IDS_DTYPE, LOGPS_DTYPE, MASK_DTYPE, ExperienceBuffer, Trajectory
-from .state import load_checkpoint_buffer
+from .state import decode_image, load_checkpoint_buffer, put_row_images, take_row_images
 
 EXPORT_FORMAT = "exgrpo-trl-export"
 EXPORT_VERSION = 1
@@ -78,7 +80,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(what, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
-def export_features(multi_turn: bool) -> datasets.Features:
+def export_features(multi_turn: bool, images: bool = False) -> datasets.Features:
     features = {
         "question_key": datasets.Value("string"),
         "row": datasets.Value("string"),
@@ -94,6 +96,8 @@ def export_features(multi_turn: bool) -> datasets.Features:
     if multi_turn:
         features["mask"] = datasets.List(datasets.Value("uint8"))
         features["record"] = datasets.Value("string")
+    if images:
+        features["images"] = datasets.List(datasets.Image())
     return datasets.Features(features)
 
 
@@ -123,7 +127,13 @@ def export_meta(buffer: ExperienceBuffer, tokenizer) -> dict[str, Any]:
 def buffer_dataset(buffer: ExperienceBuffer, tokenizer, *, progress: bool = True) -> datasets.Dataset:
     """`buffer` as an export's rows (see the module's docstring), its completions decoded with `tokenizer`."""
     multi_turn = buffer.is_multi_turn
-    features = export_features(multi_turn)
+    rows, pngs = {}, {}  # per question: its row with image references, and its images' PNG bytes
+    for key, entry in buffer.questions.items():
+        pieces: list[np.ndarray] = []
+        rows[key] = take_row_images(entry.row, pieces)
+        pngs[key] = [{"bytes": piece.tobytes(), "path": None} for piece in pieces]
+    with_images = any(pngs.values())
+    features = export_features(multi_turn, with_images)
     schema = features.arrow_schema
     flat = [(key, entry, t) for key, entry in buffer.questions.items() for t in entry.trajectories]
     batches = []
@@ -133,8 +143,8 @@ def buffer_dataset(buffer: ExperienceBuffer, tokenizer, *, progress: bool = True
             texts = tokenizer.batch_decode([t.completion_ids.tolist() for _, _, t in chunk], skip_special_tokens=True)
             columns = {
                 "question_key": [key for key, _, _ in chunk],
-                "row": [json.dumps(entry.row, ensure_ascii=False) for _, entry, _ in chunk],
-                "prompt": [_prompt_text(entry.row) for _, entry, _ in chunk],
+                "row": [json.dumps(rows[key], ensure_ascii=False) for key, _, _ in chunk],
+                "prompt": [_prompt_text(rows[key]) for key, _, _ in chunk],
                 "completion": texts,
                 "completion_ids": [t.completion_ids for _, _, t in chunk],
                 "behaviour_logps": [t.logps.astype(np.float32) for _, _, t in chunk],
@@ -148,6 +158,8 @@ def buffer_dataset(buffer: ExperienceBuffer, tokenizer, *, progress: bool = True
                 columns["record"] = [
                     None if t.record is None else json.dumps(t.record, ensure_ascii=False) for _, _, t in chunk
                 ]
+            if with_images:
+                columns["images"] = [pngs[key] for key, _, _ in chunk]
             batches.append(pa.RecordBatch.from_pydict(columns, schema=schema))
             bar.update(len(chunk))
     table = pa.Table.from_batches(batches, schema=schema)
@@ -341,10 +353,14 @@ def seed_buffer(
             ids_values, ids_offsets = _list_parts(batch.column("completion_ids"), IDS_DTYPE)
             logps_values, logps_offsets = _list_parts(batch.column("behaviour_logps"), LOGPS_DTYPE)
             keys, rows, ks, steps = (_column(batch, n) for n in ("question_key", "row", "k", "collected_at"))
+            images = _column(batch, "images")  # per row: the question's images as {"bytes", "path"}, or None
             texts, masks, records = (_column(batch, n) for n in ("completion", "mask", "record"))
             for i, key in enumerate(keys):
                 if key not in questions:
-                    questions[key] = (json.loads(rows[i]), int(ks[i]), [])
+                    row = json.loads(rows[i])
+                    if images[i]:
+                        row = put_row_images(row, [decode_image(image["bytes"]) for image in images[i]])
+                    questions[key] = (row, int(ks[i]), [])
                 if report.retokenized and masks[i] is not None:
                     report.multi_turn += 1
                     continue

@@ -117,53 +117,72 @@ def _is_image(value: Any) -> bool:
     return hasattr(value, "save") and hasattr(value, "mode") and hasattr(value, "size") and hasattr(value, "tobytes")
 
 
-def _take_images(questions: list[dict[str, Any]]) -> list[np.ndarray]:
-    """The images of the questions' rows (an `image` value, the items of an `images` list, or images inside the
-    prompt's messages), each as its PNG bytes, in order; each row that holds one is replaced by a copy with
-    {"exgrpo_image": i} in its place."""
+def take_row_images(row: Any, pieces: list[np.ndarray]) -> Any:
+    """`row` with each image in it (an `image` value, the items of an `images` list, images inside the prompt's
+    messages) replaced by {"exgrpo_image": i}, its PNG bytes appended to `pieces` as piece i; `row` itself is not
+    changed (a copy where an image was)."""
     import io
 
+    if isinstance(row, dict):
+        return {k: take_row_images(v, pieces) for k, v in row.items()}
+    if isinstance(row, (list, tuple)):
+        return [take_row_images(v, pieces) for v in row]
+    if not _is_image(row):
+        return row
+    out = io.BytesIO()
+    try:
+        row.save(out, format="PNG")
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"an image of mode {row.mode} cannot be saved as PNG in the ExGRPO state ({e})") from e
+    pieces.append(np.frombuffer(out.getvalue(), dtype=np.uint8))
+    return {IMAGE_REF: len(pieces) - 1}
+
+
+def put_row_images(row: Any, images: list[Any]) -> Any:
+    """Undo `take_row_images`: each {"exgrpo_image": i} in `row` becomes images[i]."""
+    if isinstance(row, dict):
+        if set(row) == {IMAGE_REF}:
+            return images[row[IMAGE_REF]]
+        return {k: put_row_images(v, images) for k, v in row.items()}
+    return [put_row_images(v, images) for v in row] if isinstance(row, list) else row
+
+
+def count_row_images(row: Any) -> int:
+    """How many images a row holds (images, or their references in a saved row)."""
+    if isinstance(row, dict):
+        return 1 if set(row) == {IMAGE_REF} else sum(count_row_images(v) for v in row.values())
+    if isinstance(row, (list, tuple)):
+        return sum(count_row_images(v) for v in row)
+    return int(_is_image(row))
+
+
+def _take_images(questions: list[dict[str, Any]]) -> list[np.ndarray]:
+    """Every question's row with its images taken out (`take_row_images`), numbered across the whole buffer."""
     pieces: list[np.ndarray] = []
-
-    def take(value):
-        if isinstance(value, dict):
-            return {k: take(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [take(v) for v in value]
-        if not _is_image(value):
-            return value
-        out = io.BytesIO()
-        try:
-            value.save(out, format="PNG")
-        except (OSError, ValueError, KeyError) as e:
-            raise ValueError(f"an image of mode {value.mode} cannot be saved as PNG in the ExGRPO state ({e})") from e
-        pieces.append(np.frombuffer(out.getvalue(), dtype=np.uint8))
-        return {IMAGE_REF: len(pieces) - 1}
-
     for question in questions:
-        question["row"] = take(question["row"])
+        question["row"] = take_row_images(question["row"], pieces)
     return pieces
 
 
 def _put_images(questions: list[dict[str, Any]], images: list[Any]) -> None:
-    """Undo `_take_images` on state.json's questions: each {"exgrpo_image": i} becomes image i."""
-
-    def put(value):
-        if isinstance(value, dict):
-            return images[value[IMAGE_REF]] if set(value) == {IMAGE_REF} else {k: put(v) for k, v in value.items()}
-        return [put(v) for v in value] if isinstance(value, list) else value
-
     if images:
         for question in questions:
-            question["row"] = put(question["row"])
+            question["row"] = put_row_images(question["row"], images)
 
 
-def read_images(directory: str | os.PathLike, meta: dict[str, Any]) -> list[Any]:
-    """The images a format-3 state holds, decoded (PIL images), in index order; [] for a state without images."""
+def decode_image(data: bytes):
+    """A PIL image from its encoded bytes, loaded (the file handle closed)."""
     import io
 
     from PIL import Image
 
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image
+
+
+def read_images(directory: str | os.PathLike, meta: dict[str, Any]) -> list[Any]:
+    """The images a format-3 state holds, decoded (PIL images), in index order; [] for a state without images."""
     if "image_lengths" not in meta["arrays"]:
         return []
     path = Path(directory) / STATE_DIRNAME / ARRAYS_FILENAME
@@ -173,9 +192,7 @@ def read_images(directory: str | os.PathLike, meta: dict[str, Any]) -> list[Any]
         raise StateFileError(f"ExGRPO state in {path.parent} is inconsistent: image sizes do not add up")
     images, start = [], 0
     for n in lengths.tolist():
-        image = Image.open(io.BytesIO(data[start : start + n].tobytes()))
-        image.load()
-        images.append(image)
+        images.append(decode_image(data[start : start + n].tobytes()))
         start += n
     return images
 

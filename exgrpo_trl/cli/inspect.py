@@ -34,6 +34,7 @@ from ..state import (
     STATE_DIRNAME,
     StateFileError,
     checkpoint_folder,
+    count_row_images,
     load_checkpoint_buffer,
     read_meta,
     read_small_arrays,
@@ -181,7 +182,8 @@ def show_questions(checkpoint: str | Path, n: int, tokenizer: str | None = None)
             {"completion": text, "num_tokens": len(t_ids), "collected_at": t.step}
             for text, t_ids, t in zip(texts, ids, entry.trajectories)
         ]
-        shown.append({"key": key, "prompt": entry.row.get("prompt"), "k": entry.k, "trajectories": trajectories})
+        question = {"key": key, "prompt": entry.row.get("prompt"), "images": count_row_images(entry.row)}
+        shown.append({**question, "k": entry.k, "trajectories": trajectories})
     return shown
 
 
@@ -203,7 +205,8 @@ def format_shown(shown: list[dict[str, Any]], num_questions: int, num_generation
     for i, q in enumerate(shown, 1):
         n = len(q["trajectories"])
         count = f"{n} trajector{'y' if n == 1 else 'ies'}"
-        lines += ["", f"question {i}  k {q['k']} of {num_generations}, {count}  (key {q['key']})", "  prompt"]
+        images = f", {q['images']} image{'' if q['images'] == 1 else 's'}" if q.get("images") else ""
+        lines += ["", f"question {i}  k {q['k']} of {num_generations}, {count}{images}  (key {q['key']})", "  prompt"]
         lines += _prompt_lines(q["prompt"])
         for j, t in enumerate(q["trajectories"], 1):
             lines.append(f"  trajectory {j}: {t['num_tokens']} tokens, collected at step {t['collected_at']}")

@@ -150,6 +150,16 @@ def zero3_offline_run(tmp_path_factory):
     return _launched(tmp_path_factory, "zero3", "--offline")
 
 
+@pytest.fixture(scope="module")
+def ddp_vlm_run(tmp_path_factory):
+    return _launched(tmp_path_factory, "ddp", "--vlm")
+
+
+@pytest.fixture(scope="module")
+def zero3_vlm_run(tmp_path_factory):
+    return _launched(tmp_path_factory, "zero3", "--vlm")
+
+
 # The *_tools runs train the calculator task of tests/support/tool_tasks.py, whose rollouts call tools through TRL's
 # tool loop:
 # ranks run different numbers of tool turns (each as many as its own rows need). ZeRO-3 with tools: ~110 s, slow.
@@ -307,3 +317,27 @@ def test_negative_control_unpadded_shares_hang_under_zero3(tmp_path):
             "100",
             timeout=90,
         )
+
+
+@pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
+@pytest.mark.parametrize("vlm_run", ["ddp_vlm_run", "zero3_vlm_run"])
+def test_image_questions_replay_in_step_on_every_rank(vlm_run, request):
+    """The tiny Qwen2-VL on image questions over 2 processes: the same plans (image questions, their stored rows) and
+    the same forward passes on every rank, entropy scoring with images sharded evenly, one buffer on the main process
+    (keys that hold the images), and a resume that gives rank 0 the whole buffer back, images included."""
+    from exgrpo_trl.buffer import ExperienceBuffer, row_key
+    from exgrpo_trl.state import load_state
+    from tests.support.recording import buffer_hash
+
+    out, (r0, r1) = request.getfixturevalue(vlm_run)
+    assert [r["world"]["num_processes"] for r in (r0, r1)] == [2, 2] and r0["global_step"] == 8
+    assert r0["plans"] == r1["plans"] and any(p["plan"] for p in r0["plans"])
+    assert r0["steps"] == r1["steps"] and r0["scoring"] == r1["scoring"]
+    assert [u["forwards"] for u in r0["uneven"]] == [1, 1, 2] and all(u["max_abs_diff"] < 1e-5 for u in r0["uneven"])
+    assert r0["buffer"]["trajectories"] > 0 and r1["buffer"]["trajectories"] == 0
+    saved = ExperienceBuffer(8)
+    load_state(out / "out" / "checkpoint-8", saved)
+    assert buffer_hash(saved) == r0["buffer"]["state_hash"]  # images and all, as rank 0 held it
+    assert all(row_key(e.row) == key and e.row["image"] is not None for key, e in saved.questions.items())
+    assert r0["resumed"]["after_load"]["state_hash"] == r0["buffer"]["state_hash"]
+    assert r0["resumed"]["plans"] == r1["resumed"]["plans"] and r0["resumed"]["steps"] == r1["resumed"]["steps"]

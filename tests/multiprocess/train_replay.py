@@ -18,7 +18,8 @@ the test compares to OUT/rank{r}.json:
   tool loop
   (a rank runs as many tool turns as its own rows need), every 6th question always solved so that some retire;
 - with --offline: offline guidance (algorithm §11) from a `solution` column: per generation batch the global rows this
-  rank gave an offline solution, and the guide's state (rejected solutions, questions solved) after training.
+  rank gave an offline solution, and the guide's state (rejected solutions, questions solved) after training;
+- with --vlm: the tiny Qwen2-VL of tests/support/tiny_vlm.py on its colour questions (the answer is in the image).
 
 Options are plain argv flags so the launch command stays short.
 """
@@ -103,6 +104,16 @@ def build(out: Path, args, max_steps: int, break_padding: bool = False) -> Recor
 
     if args.tools:
         tokenizer, model, dataset, reward, extra = tool_setup()
+    elif args.vlm:  # the tiny Qwen2-VL: questions are images (every prompt's text is the same), the processor's
+        from tests.support.tiny_vlm import build_tiny_processor, colour_reward, save_tiny_vlm, tiny_vlm_dataset
+
+        # loaded from a folder, as a user's model is: once ZeRO-3 is set up, a model built from its config is
+        # partitioned while transformers initialises its weights (the resumed trainer's would fail there)
+        model_dir = out / f"tiny-vlm-rank{os.environ.get('LOCAL_RANK', '0')}"
+        if not model_dir.exists():
+            save_tiny_vlm(model_dir)
+        model, tokenizer, dataset = str(model_dir), build_tiny_processor(), tiny_vlm_dataset(24, seed=1)
+        reward, extra = colour_reward, {}
     else:
         tokenizer = build_char_tokenizer()
         model, dataset, reward = make_model(tokenizer), synthetic_dataset(n=24, always_every=6), make_reward(tokenizer)
@@ -136,7 +147,7 @@ def build(out: Path, args, max_steps: int, break_padding: bool = False) -> Recor
 
 def uneven_scoring(trainer: RecordingTrainer) -> list[dict]:
     """Score candidate counts that split unevenly over the ranks, directly, and compare with unsharded scoring."""
-    tokenizer = trainer.processing_class
+    tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)  # a processor's tokenizer
     chunk = trainer.args.per_device_train_batch_size
     prompts = [tokenizer(f"{i % 10}+{i % 7}=")["input_ids"] for i in range(2 * chunk + 1)]
     rng = np.random.default_rng(0)
@@ -177,6 +188,7 @@ def main() -> int:
     parser.add_argument("--break-padding", action="store_true", help="negative control: unequal forward passes")
     parser.add_argument("--tools", action="store_true", help="the calculator task, its rollouts calling tools")
     parser.add_argument("--offline", action="store_true", help="offline guidance from a solution column")
+    parser.add_argument("--vlm", action="store_true", help="a tiny vision-language model on image questions")
     args = parser.parse_args()
     out = Path(args.out)
     t0 = time.time()

@@ -28,7 +28,15 @@ import numpy as np
 import torch
 
 from exgrpo_trl import ExGRPOTrainer
-from exgrpo_trl.buffer import ExperienceBuffer
+from exgrpo_trl.buffer import ExperienceBuffer, image_digest
+
+
+def _plain(value) -> str:
+    """An image in a row by its pixels (its repr holds a memory address), anything else by its text."""
+    try:
+        return image_digest(value)
+    except TypeError:
+        return str(value)
 
 
 def buffer_hash(buffer: ExperienceBuffer) -> str:
@@ -39,7 +47,7 @@ def buffer_hash(buffer: ExperienceBuffer) -> str:
         h.update(name.encode())
         h.update(str(arrays[name].dtype).encode())
         h.update(np.ascontiguousarray(arrays[name]).tobytes())
-    h.update(json.dumps(meta, sort_keys=True, default=str).encode())
+    h.update(json.dumps(meta, sort_keys=True, default=_plain).encode())
     return h.hexdigest()
 
 

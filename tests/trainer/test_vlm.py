@@ -192,3 +192,76 @@ def test_a_vlm_checkpoint_holds_the_names_it_is_resumed_with(tmp_path):
     loaded = Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "own")
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))
     assert "save_pretrained" not in vars(model)  # the method is the class's again
+
+
+def test_export_inspect_and_seed_with_images(tmp_path):
+    """`exgrpo export` writes each question's images as a datasets Image list (its row holds references), `inspect
+    --show` says how many images a question has, and seeding from the export restores the questions, keys and images
+    exactly."""
+    from datasets import load_from_disk
+
+    from exgrpo_trl.cli.inspect import format_shown, show_questions
+    from exgrpo_trl.export import buffer_dataset, export_meta, seed_buffer, tokenizer_fingerprint, write_export
+
+    _, processor = build_tiny_vlm()
+    tokenizer = processor.tokenizer
+    buffer = ExperienceBuffer(K)
+    eos = tokenizer.eos_token_id
+    for colour, size in (("red", 28), ("blue", 56)):
+        row = {"prompt": vlm_prompt(), "image": colour_image(colour, size), "answer": colour}
+        ids = np.array([tokenizer.convert_tokens_to_ids(colour), eos])
+        buffer.update_group(row_key(row), 2, row, [Trajectory(ids, np.array([-0.5, -0.25]), 3)])
+
+    dataset = buffer_dataset(buffer, tokenizer, progress=False)
+    assert "images" in dataset.features and dataset[0]["row"].count("exgrpo_image") == 1
+    for record, entry in zip(dataset, buffer.questions.values()):
+        (image,) = record["images"]
+        assert image.tobytes() == entry.row["image"].tobytes() and image.size == entry.row["image"].size
+    write_export(dataset, export_meta(buffer, tokenizer), tmp_path / "export")
+    assert len(load_from_disk(str(tmp_path / "export"))) == 2
+
+    seeded = ExperienceBuffer(K)
+    seed_buffer(
+        seeded,
+        tmp_path / "export",
+        fingerprint=tokenizer_fingerprint(tokenizer),
+        tokenize=lambda text: tokenizer(text)["input_ids"],
+        max_length=8,
+        progress=False,
+    )
+    assert list(seeded.questions) == list(buffer.questions)
+    assert all(row_key(e.row) == key for key, e in seeded.questions.items())
+
+    checkpoint = tmp_path / "checkpoint-3"
+    save_state(checkpoint, buffer, {"replay_active": True})
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    shown = show_questions(checkpoint, 2, str(tmp_path / "tokenizer"))
+    assert [q["images"] for q in shown] == [1, 1]
+    assert ", 1 image  (key" in format_shown(shown, 2, K)
+
+
+def test_lora_on_a_vlm_replays_with_images(tmp_path):
+    """A LoRA adapter on the VLM's attention: replay fires with images, only the adapter moves, and its checkpoint
+    resumes (the adapter's weights are PEFT's to name: saved as they are)."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    trainer = vlm_trainer(
+        tmp_path, peft_config=lora, replay_start_pass_rate=0.0, steps_per_generation=1, max_steps=4,
+        save_strategy="steps", save_steps=2, learning_rate=1e-2,
+    )  # fmt: skip
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    plans = []
+    make_plan = trainer.exgrpo_run.make_plan
+    trainer.exgrpo_run.make_plan = lambda *a: plans.append(make_plan(*a)) or plans[-1]
+    trainer.train()
+    assert any(plan is not None for plan in plans)
+    assert all(torch.equal(p, frozen[n]) for n, p in trainer.model.named_parameters() if n in frozen)
+    assert any("lora" in n and p.requires_grad for n, p in trainer.model.named_parameters())
+    resumed = vlm_trainer(
+        tmp_path, peft_config=lora, replay_start_pass_rate=0.0, steps_per_generation=1, max_steps=4,
+        learning_rate=1e-2,
+    )  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    for (name, a), (_, b) in zip(trainer.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(a, b), name
