@@ -38,11 +38,11 @@ from ..checkpoints import checkpoint_step, resolve_checkpoint
 from ..checks import require_loggers
 from ..config import ExGRPOConfig
 from ..state import StateFileError
-from ..tasks.math_data import filter_long_prompts, load_math_dataset
+from ..tasks.math_data import IMAGE_COLUMNS, filter_long_prompts, load_math_dataset
 from ..tasks.rewards import REWARD_FUNCS, get_reward_funcs
 from ..utils.requirements import require
 from ..utils.threads import limit_cpu_threads
-from ..utils.tokenizer import load_tokenizer
+from ..utils.tokenizer import load_processor, load_tokenizer
 from . import precheck
 from .interrupt import Interrupted, StopOnInterrupt
 
@@ -365,15 +365,16 @@ def data_columns(keep_columns: list[str], training_args: ExGRPOConfig) -> list[s
     return [*keep_columns, column] if column and column not in keep_columns else list(keep_columns)
 
 
-def model_init_kwargs(model_args: ModelConfig, training_args: ExGRPOConfig) -> dict:
-    """``from_pretrained`` kwargs for the policy, from `ModelConfig`; explicit ``model_init_kwargs`` win."""
+def model_init_kwargs(model_args: ModelConfig, training_args: ExGRPOConfig, vision: bool = False) -> dict:
+    """``from_pretrained`` kwargs for the policy, from `ModelConfig`; explicit ``model_init_kwargs`` win. `vision`: a
+    vision-language model, whose constructor takes no ``use_cache`` (its text config holds it)."""
     kwargs = {
         "revision": model_args.model_revision,
         "trust_remote_code": training_args.trust_remote_code,
         "attn_implementation": model_args.attn_implementation,
         "dtype": model_args.dtype,
         # The KV cache is useless with gradient checkpointing and transformers warns about it.
-        "use_cache": not training_args.gradient_checkpointing,
+        "use_cache": None if vision else not training_args.gradient_checkpointing,
     }
     if model_args.load_in_4bit or model_args.load_in_8bit:
         from accelerate import PartialState
@@ -497,9 +498,18 @@ def _train_in(script_args: ScriptArguments, training_args: ExGRPOConfig, model_a
         train_dataset = load_math_dataset(
             script_args.dataset_name, split=script_args.dataset_train_split, **data_kwargs
         )
-        if script_args.max_prompt_length is not None:
+        if any(c in train_dataset.column_names for c in IMAGE_COLUMNS):  # a vision-language model: its processor
+            tokenizer = load_processor(
+                script_args.tokenizer_name_or_path or model_args.model_name_or_path,
+                revision=model_args.model_revision,
+                trust_remote_code=training_args.trust_remote_code,
+            )
+        if script_args.max_prompt_length is not None:  # text tokens (an image adds its own)
             train_dataset = filter_long_prompts(
-                train_dataset, tokenizer, script_args.max_prompt_length, num_proc=script_args.dataset_num_proc
+                train_dataset,
+                getattr(tokenizer, "tokenizer", tokenizer),
+                script_args.max_prompt_length,
+                num_proc=script_args.dataset_num_proc,
             )
         eval_dataset = None
         if training_args.eval_strategy != "no":
@@ -509,7 +519,8 @@ def _train_in(script_args: ScriptArguments, training_args: ExGRPOConfig, model_a
                 **data_kwargs,
             )
 
-    training_args.model_init_kwargs = model_init_kwargs(model_args, training_args)
+    vision = any(c in train_dataset.column_names for c in IMAGE_COLUMNS)
+    training_args.model_init_kwargs = model_init_kwargs(model_args, training_args, vision)
     trainer = ExGRPOTrainer(
         model=model_args.model_name_or_path,
         reward_funcs=[reporting_errors(f) for f in get_reward_funcs(script_args.reward_funcs)],

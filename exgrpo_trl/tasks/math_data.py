@@ -97,6 +97,9 @@ def _is_messages(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
 
 
+IMAGE_COLUMNS = ("image", "images")  # the columns TRL reads images from
+
+
 def to_math_prompts(
     dataset: Dataset,
     *,
@@ -115,6 +118,7 @@ def to_math_prompts(
         task); a `system_prompt` given explicitly replaces (or adds) the system message of message prompts;
       - else the first of `QUESTION_COLUMN_CANDIDATES` present, as with `question_column`.
     Answer: `answer_column` if given, else ``answer``, else ``reward_model["ground_truth"]`` (verl format).
+    Images: an ``image`` or ``images`` column is kept as it is (TRL puts the images into the first user message).
 
     A missing column raises a `ValueError` naming it and listing the columns the dataset has.
     """
@@ -183,7 +187,7 @@ def to_math_prompts(
         # (an int64 answer would be cast back from its string).
         return {_TMP_PREFIX + "prompt": prompt, _TMP_PREFIX + "answer": str(answer)}
 
-    keep = set(keep_columns)
+    keep = set(keep_columns) | {c for c in IMAGE_COLUMNS if c in columns}  # a question's images go with it
     drop = [c for c in columns if c not in keep]
     # the progress bar says what is done: questions become the paper's prompts; prompts are only kept
     desc = "questions -> math prompts" if mode == "question" else "prompt and answer columns"

@@ -34,6 +34,24 @@ def load_tokenizer(name_or_path: str, *, revision: str = "main", trust_remote_co
     return tokenizer
 
 
+def load_processor(name_or_path: str, *, revision: str = "main", trust_remote_code: bool = False):
+    """A vision-language model's processor (`AutoProcessor`), its tokenizer padding and truncating on the left as
+    `load_tokenizer`'s does. Raises ValueError, in one line, when `name_or_path` has no processor for images."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    tokenizer = getattr(processor, "tokenizer", None)
+    if tokenizer is None or not hasattr(processor, "image_processor"):
+        raise ValueError(
+            f"the training data has images, but {name_or_path} has no image processor: train a vision-language model"
+        )
+    tokenizer.padding_side = "left"
+    tokenizer.truncation_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return processor
+
+
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 
 

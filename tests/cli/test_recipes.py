@@ -14,7 +14,9 @@ from exgrpo_trl.config import ExGRPOConfig
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 ACCELERATE = sorted((ROOT / "recipes" / "accelerate").glob("*.yaml"))
-GPU_RECIPES = [p for p in RECIPES if p.name != "tiny_cpu.yaml"]
+VLM_RECIPE = ROOT / "recipes" / "qwen2_5_vl_3b.yaml"
+# the paper's recipes (text, its batch shape and vLLM layouts); the CPU and the vision-language recipes are apart
+GPU_RECIPES = [p for p in RECIPES if p.name not in ("tiny_cpu.yaml", VLM_RECIPE.name)]
 
 # algorithm §9: 128 questions x K = 8 rollouts per step, 2 optimizer updates per step (mini-batch of 64 questions),
 # 700 steps.
@@ -75,6 +77,7 @@ def test_recipe_set():
         "qwen7b_instruct.yaml",
         "qwen7b_offline.yaml",
         "tiny_cpu.yaml",
+        "qwen2_5_vl_3b.yaml",
     }
     assert {p.name for p in ACCELERATE} == {"zero3.yaml", "ddp.yaml", "zero3_multinode.yaml"}
 
@@ -95,6 +98,21 @@ def test_every_recipe_parses_and_opens_with_its_launch_command(path):
         parse(path, *overrides)
         config_file = flag(tokens_of(line), "--config_file")
         assert (ROOT / config_file).is_file()
+
+
+def test_vision_language_recipe():
+    """Qwen2.5-VL-3B on lmms-lab/multimodal-open-r1-8k-verified (image, problem, solution): the question and answer
+    columns named, transformers' generation (image inputs are rejected with vLLM), the batch arithmetic whole."""
+    script_args, args, model_args = parse(VLM_RECIPE)
+    assert model_args.model_name_or_path == "Qwen/Qwen2.5-VL-3B-Instruct"
+    assert script_args.dataset_name == "lmms-lab/multimodal-open-r1-8k-verified"
+    assert (script_args.question_column, script_args.answer_column) == ("problem", "solution")
+    assert script_args.reward_funcs == ["math_verify"] and not args.use_vllm
+    (line,) = launch_lines(VLM_RECIPE, "accelerate launch")
+    processes = int(flag(tokens_of(line), "--num_processes"))
+    rows_per_update = args.per_device_train_batch_size * processes * args.gradient_accumulation_steps
+    assert args.generation_batch_size % rows_per_update == 0 and args.generation_batch_size // K == 32
+    assert args.replay_ratio == 0.5 and args.policy_shaping_gamma == 0.1
 
 
 def test_unknown_key_fails(tmp_path):

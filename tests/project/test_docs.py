@@ -84,6 +84,7 @@ PYTHON_BLOCKS = {
     (DOCS / "exgrpo_trainer.md", "## Quick start on one GPU: LoRA and vLLM colocate"): "test_lora_quick_start_replays",
     (DOCS / "exgrpo_trainer.md", "## Expected dataset type"): "test_dataset_examples",
     (DOCS / "exgrpo_trainer.md", "## Using it from a recipe"): "test_from_grpo_config_example",
+    (DOCS / "exgrpo_trainer.md", "## Vision-language models"): "test_vlm_quick_start_replays",
 }
 # Output shown to the reader (```text): the test that checks the program prints exactly that.
 TEXT_BLOCKS = {
@@ -304,6 +305,42 @@ def test_lora_quick_start_replays(tmp_path):
     # one row per update, each with the fraction of the batch it trained on (two updates a batch)
     assert [f for f in _replayed(out) if f is not None] == [0.0, 0.0, 0.0, 0.0, 0.5, 0.5]
     assert "MODEL_CLASS PeftModelForCausalLM" in out
+
+
+def test_vlm_quick_start_replays(tmp_path):
+    """The vision-language quick start with the tiny Qwen2-VL of tests/support/tiny_vlm.py and its colour questions in
+    the dataset's layout (image, problem, solution), on a CPU, 4 updates of one generation batch each (8 questions),
+    replay on from the first batch: the first batch is on-policy (the buffer is empty), later ones replay stored
+    questions with their images."""
+    from datasets import Dataset, Features, Image, Value
+
+    from tests.support.tiny_vlm import QUESTION, save_tiny_vlm, tiny_vlm_dataset
+
+    code = python_block(DOCS / "exgrpo_trainer.md", "## Vision-language models")
+    model = save_tiny_vlm(tmp_path / "model")
+    rows = tiny_vlm_dataset(64, seed=1)
+    features = Features({"image": Image(), "problem": Value("string"), "solution": Value("string")})
+    data = {"image": rows["image"], "problem": [QUESTION] * len(rows), "solution": rows["answer"]}
+    Dataset.from_dict(data, features=features).save_to_disk(str(tmp_path / "data"))
+    registered = "import tests.support.tiny_vlm  # registers its processor\nfrom datasets import load_from_disk"
+    few_steps = "max_steps=4, replay_start_pass_rate=0.0,"
+    out = _run_snippet(
+        code,
+        tmp_path,
+        [
+            ('"Qwen/Qwen2.5-VL-3B-Instruct"', repr(model)),
+            ("from datasets import load_dataset", registered),
+            ('load_dataset("lmms-lab/multimodal-open-r1-8k-verified", split="train")', repr(str(tmp_path / "data"))),
+            ("dataset = dataset.map(", "dataset = load_from_disk(dataset).map("),
+            ("from exgrpo_trl.tasks.rewards import math_reward", "from tests.support.tiny_vlm import colour_reward"),
+            ("reward_funcs=math_reward", "reward_funcs=colour_reward"),
+            ("args = ExGRPOConfig(\n", f"args = ExGRPOConfig(\n    {ON_A_CPU}{few_steps}\n"),
+            ("    max_completion_length=1024,\n", "    max_completion_length=12,\n"),
+        ],
+        REPLAY_LOG,
+    )
+    fractions = [f for f in _replayed(out) if f is not None]
+    assert len(fractions) == 4 and fractions[0] == 0.0 and max(fractions) > 0, fractions
 
 
 def test_cpu_quick_start_replays_as_pasted(tmp_path):

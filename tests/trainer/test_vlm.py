@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 
 import numpy as np
 import pytest
@@ -265,3 +266,28 @@ def test_lora_on_a_vlm_replays_with_images(tmp_path):
     resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     for (name, a), (_, b) in zip(trainer.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(a, b), name
+
+
+def test_exgrpo_train_on_image_data(tmp_path):
+    """`exgrpo train` on a dataset with an image column: the model's processor is loaded, the images are kept with
+    their questions, replay runs, and the checkpoint's buffer holds the images."""
+    from exgrpo_trl import cli
+    from exgrpo_trl.state import load_checkpoint_buffer
+    from tests.support.tiny_vlm import save_tiny_vlm
+
+    model_dir = save_tiny_vlm(tmp_path / "model")
+    tiny_vlm_dataset(24, seed=1).save_to_disk(str(tmp_path / "data"))
+    out = tmp_path / "out"
+    recipe = {
+        "model_name_or_path": str(model_dir), "dataset_name": str(tmp_path / "data"), "dtype": "float32",
+        "reward_funcs": ["tests.support.tiny_vlm:colour_reward"], "output_dir": str(out), "max_steps": 4,
+        "per_device_train_batch_size": 16, "num_generations": 4, "max_completion_length": 12,
+        "replay_start_pass_rate": 0.0, "save_strategy": "steps", "save_steps": 4, "use_cpu": True, "bf16": False,
+        "report_to": "none", "logging_steps": 1, "loss_type": "dr_grpo", "scale_rewards": "none",
+    }  # fmt: skip
+    (tmp_path / "recipe.yaml").write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in recipe.items()) + "\n")
+    args = ["train", "--config", str(tmp_path / "recipe.yaml")]
+    assert cli.main(args) == 0
+    buffer = load_checkpoint_buffer(out / "checkpoint-4")
+    assert buffer.num_questions > 0
+    assert all(row_key(e.row) == key and e.row["image"] is not None for key, e in buffer.questions.items())
