@@ -35,8 +35,8 @@ from exgrpo_trl.cli import main
 if point == "exgrpo_state":  # the buffer written into the temporary folder, state.json not yet
     write_arrays = state._write_arrays
 
-    def _write_arrays(path, trajectories):
-        entries = write_arrays(path, trajectories)
+    def _write_arrays(path, trajectories, *images):
+        entries = write_arrays(path, trajectories, *images)
         if path.parent.parent.name == target:
             die()
         return entries

@@ -113,7 +113,7 @@ def test_single_turn_state_stays_format_1(tmp_path):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        (lambda m: m.update(format_version=3), "format version 3, this version of exgrpo-trl reads version 1 or 2"),
+        (lambda m: m.update(format_version=4), "format version 4, this version of exgrpo-trl reads version 1 or 2 or"),
         (lambda m: m["buffer"]["questions"][0].update(records="x"), r"'buffer.questions\[0\].records' is a string"),
         (lambda m: m["buffer"]["questions"][0].update(records=[1, None]), r"records\[0\]' is 1, expected an object"),
         (lambda m: m["buffer"]["questions"][0].update(records=[None]), "lists 2 trajectories but 1 records"),
