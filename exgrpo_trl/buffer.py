@@ -52,6 +52,14 @@ def _plain(value: Any) -> str:
         return str(value)
 
 
+IMAGE_COLUMNS = ("images", "image")  # the dataset columns TRL reads a row's images from, in its order
+
+
+def has_images(columns) -> bool:
+    """Whether a dataset with these column names holds image inputs."""
+    return any(c in columns for c in IMAGE_COLUMNS)
+
+
 def row_images(row: dict[str, Any]) -> list[Any]:
     """The images of a dataset row as TRL reads them: its `images` list, else its `image` (none: [])."""
     images = row.get("images")

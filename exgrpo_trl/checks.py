@@ -10,6 +10,7 @@ from typing import Any
 
 from trl import GRPOConfig
 
+from .buffer import has_images
 from .config import ExGRPOConfig
 from .loss import PPO_CLIPPED_LOSS_TYPES, SUPPORTED_LOSS_TYPES
 from .replay import replay_count
@@ -178,7 +179,7 @@ def check_arguments(params: dict[str, Any]) -> None:
     if output_dir and os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise NotADirectoryError(f"output_dir {output_dir} is a file, not a folder; give a folder (output_dir=...)")
     columns = getattr(params.get("train_dataset"), "column_names", None) or []
-    if "image" in columns or "images" in columns:
+    if has_images(columns):
         if any(params.get(name) for name in ("tools", "environment_factory", "rollout_func")):
             raise NotImplementedError(IMAGE_MULTI_TURN)
         if getattr(params["args"], "use_vllm", False):

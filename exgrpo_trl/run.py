@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .buffer import ExperienceBuffer, question_key, row_images, row_key
+from .buffer import ExperienceBuffer, has_images, question_key, row_images, row_key
 from .checkpoints import restore_state
 from .loss import ReplayTokenStats, aggregate_token_loss, shaped_replay_token_loss
 from .offline import NoOfflineGuide, OfflineGuide
@@ -107,8 +107,7 @@ class Ranks:
 def dataset_keys(dataset) -> list[str]:
     """Each row's question key (`buffer.row_key`); a dataset without image columns is keyed by its prompts alone,
     read as one column (no row is built)."""
-    columns = getattr(dataset, "column_names", None) or []
-    if "image" not in columns and "images" not in columns:
+    if not has_images(getattr(dataset, "column_names", None) or []):
         return [question_key(prompt) for prompt in dataset["prompt"]]
     return [row_key(row) for row in dataset]
 

@@ -148,9 +148,9 @@ def put_row_images(row: Any, images: list[Any]) -> Any:
 
 
 def count_row_images(row: Any) -> int:
-    """How many images a row holds (images, or their references in a saved row)."""
+    """How many images a row holds."""
     if isinstance(row, dict):
-        return 1 if set(row) == {IMAGE_REF} else sum(count_row_images(v) for v in row.values())
+        return sum(count_row_images(v) for v in row.values())
     if isinstance(row, (list, tuple)):
         return sum(count_row_images(v) for v in row)
     return int(_is_image(row))

@@ -34,11 +34,12 @@ import transformers
 from trl import GRPOConfig, ModelConfig, TrlParser, get_peft_config, get_quantization_config
 from trl import ScriptArguments as TrlScriptArguments
 
+from ..buffer import has_images
 from ..checkpoints import checkpoint_step, resolve_checkpoint
 from ..checks import require_loggers
 from ..config import ExGRPOConfig
 from ..state import StateFileError
-from ..tasks.math_data import IMAGE_COLUMNS, filter_long_prompts, load_math_dataset
+from ..tasks.math_data import filter_long_prompts, load_math_dataset
 from ..tasks.rewards import REWARD_FUNCS, get_reward_funcs
 from ..utils.requirements import require
 from ..utils.threads import limit_cpu_threads
@@ -498,7 +499,8 @@ def _train_in(script_args: ScriptArguments, training_args: ExGRPOConfig, model_a
         train_dataset = load_math_dataset(
             script_args.dataset_name, split=script_args.dataset_train_split, **data_kwargs
         )
-        if any(c in train_dataset.column_names for c in IMAGE_COLUMNS):  # a vision-language model: its processor
+        vision = has_images(train_dataset.column_names)
+        if vision:  # a vision-language model: its processor
             tokenizer = load_processor(
                 script_args.tokenizer_name_or_path or model_args.model_name_or_path,
                 revision=model_args.model_revision,
@@ -519,7 +521,6 @@ def _train_in(script_args: ScriptArguments, training_args: ExGRPOConfig, model_a
                 **data_kwargs,
             )
 
-    vision = any(c in train_dataset.column_names for c in IMAGE_COLUMNS)
     training_args.model_init_kwargs = model_init_kwargs(model_args, training_args, vision)
     trainer = ExGRPOTrainer(
         model=model_args.model_name_or_path,

@@ -28,6 +28,8 @@ from typing import Any
 
 from datasets import Dataset, DatasetDict, load_dataset, load_from_disk
 
+from ..buffer import IMAGE_COLUMNS
+
 __all__ = [
     "OPENR1_MATH_46K",
     "LUFFY_SYSTEM_PROMPT",
@@ -95,9 +97,6 @@ def _missing(dataset: Dataset, what: str, column: str, hint: str) -> ValueError:
 
 def _is_messages(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in value)
-
-
-IMAGE_COLUMNS = ("image", "images")  # the columns TRL reads images from
 
 
 def to_math_prompts(
