@@ -288,6 +288,12 @@ def add_task_arguments(p: argparse.ArgumentParser) -> None:
         help="EOS is suppressed before this many tokens (long completions from an untrained model, e.g. "
         "1024 for the GPU shape)",
     )
+    p.add_argument(
+        "--continuous-batching",
+        action="store_true",
+        help="generate with transformers' continuous batching (GRPOConfig.use_transformers_continuous_batching, "
+        "TRL's paged engine) instead of plain generate",
+    )
     p.add_argument("--prefill-questions", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
 
@@ -325,6 +331,7 @@ def trainer_config(args, **overrides) -> dict:
         save_strategy="no",
         seed=args.seed,
         disable_tqdm=True,
+        use_transformers_continuous_batching=getattr(args, "continuous_batching", False),
     )
     config.update(overrides)
     return config

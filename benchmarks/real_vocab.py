@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--micro-batch-rows", type=int, default=8, help="rows per micro-batch (per_device_train_batch_size)"
     )
     p.add_argument("--generation-batches", type=int, default=2, help="before the save; the resumed run adds one")
+    p.add_argument(
+        "--replay-cooldown", type=int, default=0, help="ExGRPOConfig.replay_cooldown (the reuse limit; 0: off)"
+    )
     p.add_argument("--memory-rows", type=int, default=2, help="rows scored at once (the 7B recipe's per-device batch)")
     p.add_argument("--memory-prompt-length", type=int, default=256)
     p.add_argument("--memory-completion-length", type=int, default=64, help="the 7B recipe: 8192")
@@ -99,6 +102,7 @@ def make_trainer(args, model_dir, tokenizer, reward, dataset, output_dir, **over
         beta=0.0,
         replay_ratio=args.replay_ratio,
         replay_start_pass_rate=0.0,  # replay from the first step (the weak-base setting)
+        replay_cooldown=args.replay_cooldown,
     )
     config.update(overrides)
     return ExGRPOTrainer(

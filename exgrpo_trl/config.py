@@ -10,6 +10,10 @@ from trl import GRPOConfig
 
 from .offline import OFFLINE_GUIDANCE
 
+# transformers renamed gradient_checkpointing(_kwargs) to activation_checkpointing(_kwargs) after 5.17; before that
+# only the old names exist, and the recipes (which use the new ones) would not parse there without the fields below.
+_OLD_CHECKPOINTING_NAMES = "activation_checkpointing" not in {f.name for f in fields(GRPOConfig)}
+
 QUESTION_SELECTIONS = ("gaussian", "uniform")
 TRAJECTORY_SELECTIONS = ("lowest_entropy", "random", "highest_entropy")
 
@@ -180,6 +184,18 @@ class ExGRPOConfig(GRPOConfig):
             "decides, True when that is unset too (TRL's default)."
         },
     )
+    if _OLD_CHECKPOINTING_NAMES:  # transformers <= 5.17: the new names, passed on to the old ones in __post_init__
+        activation_checkpointing: bool | None = field(
+            default=None,
+            metadata={
+                "help": "Activation (gradient) checkpointing; this transformers calls it gradient_checkpointing. "
+                "Unset: True (TRL's default)."
+            },
+        )
+        activation_checkpointing_kwargs: dict | str | None = field(
+            default=None,
+            metadata={"help": "Keyword arguments of activation checkpointing (gradient_checkpointing_kwargs)."},
+        )
 
     @property
     def replays(self) -> bool:
@@ -217,9 +233,24 @@ class ExGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         self._validate_exgrpo_fields()
-        if self.gradient_checkpointing is None and self.activation_checkpointing is None:
+        if _OLD_CHECKPOINTING_NAMES:
+            self._pass_checkpointing_to_old_names()
+        elif self.gradient_checkpointing is None and self.activation_checkpointing is None:
             self.activation_checkpointing = True  # TRL's default
         super().__post_init__()
+
+    def _pass_checkpointing_to_old_names(self):
+        """transformers <= 5.17 reads gradient_checkpointing(_kwargs) only: the new names set them (both set and
+        different is an error, as in later transformers), unset means TRL's default, True."""
+        for new, old in (("activation_checkpointing", "gradient_checkpointing"),
+                         ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs")):  # fmt: skip
+            a, b = getattr(self, new), getattr(self, old)
+            if a is not None and b is not None and a != b:
+                raise ValueError(f"{new}={a!r} and {old}={b!r} disagree: set one of them ({old} is the old name).")
+            setattr(self, old, a if b is None else b)
+        if self.gradient_checkpointing is None:
+            self.gradient_checkpointing = True  # TRL's default
+        self.activation_checkpointing = self.gradient_checkpointing
 
     def _validate_exgrpo_fields(self):
         if not 0.0 <= self.replay_ratio <= 1.0:

@@ -156,3 +156,27 @@ def test_derived_switches(tmp_path):
     assert (make(tmp_path, replay_ratio=0.0).replays, make(tmp_path, replay_ratio=0.0).skips_retired) == (False, False)
     assert make(tmp_path, replay_ratio=0.0, skip_retired_without_replay=True).skips_retired
     assert not make(tmp_path, skip_retired_questions=False).skips_retired
+
+
+def test_old_checkpointing_names_are_passed_on():
+    """transformers <= 5.17 has gradient_checkpointing(_kwargs) only: the new names set the old ones, unset is TRL's
+    default (True), and the two names set to different values are an error (tests/vllm runs it for real on 5.17)."""
+    from types import SimpleNamespace
+
+    def passed(**set_fields):
+        fields = dict(activation_checkpointing=None, activation_checkpointing_kwargs=None,
+                      gradient_checkpointing=None, gradient_checkpointing_kwargs=None)  # fmt: skip
+        ns = SimpleNamespace(**{**fields, **set_fields})
+        ExGRPOConfig._pass_checkpointing_to_old_names(ns)
+        return ns
+
+    default = passed()
+    assert (default.gradient_checkpointing, default.activation_checkpointing) == (True, True)
+    assert default.gradient_checkpointing_kwargs is None
+    assert passed(activation_checkpointing=False).gradient_checkpointing is False
+    assert passed(gradient_checkpointing=False).activation_checkpointing is False
+    kwargs = {"use_reentrant": False}
+    assert passed(activation_checkpointing_kwargs=kwargs).gradient_checkpointing_kwargs == kwargs
+    assert passed(activation_checkpointing=True, gradient_checkpointing=True).gradient_checkpointing is True
+    with pytest.raises(ValueError, match="activation_checkpointing=False and gradient_checkpointing=True"):
+        passed(activation_checkpointing=False, gradient_checkpointing=True)

@@ -132,19 +132,20 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_tiny_processor() -> TinyQwen2VLProcessor:
+def build_tiny_processor(max_pixels: int = MAX_PIXELS) -> TinyQwen2VLProcessor:
     """The processor of the tiny model: `Qwen2VLImageProcessorPil` (images resized to between 28x28 and 56x56
-    pixels), the tokenizer of `build_tiny_tokenizer` and TRL's Qwen2-VL chat template."""
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    pixels, or `max_pixels`), the tokenizer of `build_tiny_tokenizer` and TRL's Qwen2-VL chat template."""
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=max_pixels)
     return TinyQwen2VLProcessor(
         image_processor=image_processor, tokenizer=build_tiny_tokenizer(), chat_template=qwen2_5_vl_chat_template
     )
 
 
-def tiny_vlm_config(tokenizer) -> Qwen2VLConfig:
+def tiny_vlm_config(tokenizer, text: dict | None = None, vision: dict | None = None) -> Qwen2VLConfig:
     """A `Qwen2VLConfig`: 2 text layers (hidden 32, 2 heads of 16, 1 KV head, M-RoPE sections 2+3+3 of the 8
     rotary pairs), a 1-layer vision tower (embed 32, 2 heads, 14-pixel patches, 2x2 merge into the text width) and
-    the tokenizer's vocabulary and ids."""
+    the tokenizer's vocabulary and ids. `text` and `vision` replace fields of either (a larger shape for a GPU:
+    benchmarks/vlm_smoke.py); the vision tower's output width follows the text's hidden size."""
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in (
         ("image_token_id", IMAGE_PAD), ("video_token_id", VIDEO_PAD),
         ("vision_start_token_id", VISION_START), ("vision_end_token_id", VISION_END),
@@ -159,16 +160,21 @@ def tiny_vlm_config(tokenizer) -> Qwen2VLConfig:
         depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
         temporal_patch_size=2,
     )  # fmt: skip
+    text_config.update(text or {})
+    vision_config.update(vision or {}, hidden_size=text_config["hidden_size"])
     return Qwen2VLConfig(text_config=text_config, vision_config=vision_config, tie_word_embeddings=False, **ids)
 
 
-def build_tiny_vlm(seed: int = 0) -> tuple[Qwen2VLForConditionalGeneration, TinyQwen2VLProcessor]:
+def build_tiny_vlm(
+    seed: int = 0, text: dict | None = None, vision: dict | None = None, max_pixels: int = MAX_PIXELS
+) -> tuple[Qwen2VLForConditionalGeneration, TinyQwen2VLProcessor]:
     """`(model, processor)`: a tiny `Qwen2VLForConditionalGeneration` (float32, random weights drawn under
     `torch.manual_seed(seed)` without moving the global generator) and its processor (`build_tiny_processor`). The
-    generation config ends on ``<|im_end|>`` and pads with ``<|endoftext|>``; the same seed gives the same weights."""
-    processor = build_tiny_processor()
+    generation config ends on ``<|im_end|>`` and pads with ``<|endoftext|>``; the same seed gives the same weights.
+    `text` and `vision` change the shape (`tiny_vlm_config`), `max_pixels` the processor's largest image."""
+    processor = build_tiny_processor(max_pixels)
     tokenizer = processor.tokenizer
-    config = tiny_vlm_config(tokenizer)
+    config = tiny_vlm_config(tokenizer, text, vision)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2VLForConditionalGeneration(config)
@@ -178,13 +184,24 @@ def build_tiny_vlm(seed: int = 0) -> tuple[Qwen2VLForConditionalGeneration, Tiny
     return model, processor
 
 
-def save_tiny_vlm(path: str | os.PathLike, seed: int = 0) -> str:
+def save_tiny_vlm(
+    path: str | os.PathLike,
+    seed: int = 0,
+    text: dict | None = None,
+    vision: dict | None = None,
+    dtype=None,
+    max_pixels: int = MAX_PIXELS,
+) -> str:
     """Write the tiny model (`build_tiny_vlm(seed)`) and its processor to `path` (made if missing), about 400 KB;
     returns the path as a string, which a trainer can be given as its model (`AutoProcessor.from_pretrained` of it
-    needs this module imported, see `TinyQwen2VLProcessor`)."""
+    needs this module imported, see `TinyQwen2VLProcessor`). `text`, `vision`: the shape (`tiny_vlm_config`);
+    `dtype`: the weights' saved dtype (default float32); `max_pixels`: the processor's largest image."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model, processor = build_tiny_vlm(seed)
+    model, processor = build_tiny_vlm(seed, text, vision, max_pixels)
+    if dtype is not None:
+        model = model.to(dtype)
+        model.config.dtype = dtype
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return str(path)
