@@ -333,7 +333,16 @@ class ExGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------ entropy scoring
     def _exgrpo_score_candidates(self, rows, prompts, completion_ids, masks) -> torch.Tensor:
         """The run's scorer: each stored candidate's mean entropy under the current policy, its prompt tokenized as
-        TRL renders it for generation (with the tools of its row's environment)."""
+        TRL renders it for generation (with the tools of its row's environment). The candidates of one question share
+        its row and prompt objects: each is tokenized once (for a VLM that is the processor over its images)."""
+        unique: dict[tuple[int, int], int] = {}  # (row, prompt) identity -> its place among the distinct ones
+        which, firsts = [], []  # per candidate: its distinct prompt; per distinct prompt: its first candidate
+        for i, key in enumerate((id(r), id(p)) for r, p in zip(rows, prompts, strict=True)):
+            if key not in unique:
+                unique[key] = len(firsts)
+                firsts.append(i)
+            which.append(unique[key])
+        rows, prompts = [rows[i] for i in firsts], [prompts[i] for i in firsts]
         vision = None
         if self._is_vlm:  # each candidate with its question's images, as the training forward sees them
             prompts = vision = [prepare_multimodal_messages(p, row_images(r) or None) for r, p in zip(rows, prompts)]
@@ -343,9 +352,10 @@ class ExGRPOTrainer(GRPOTrainer):
             environments = [row.get("environment") if self._multi_environment else None for row in rows]
             with swapped(self, _batch_environments=environments):
                 prompt_ids = self._tokenize_prompts(prompts)[0]
+        prompt_ids = [prompt_ids[u] for u in which]
         if vision is None:
             return self._exgrpo_score_entropies(prompt_ids, completion_ids, masks)
-        return self._exgrpo_score_entropies(prompt_ids, completion_ids, masks, vision=vision)
+        return self._exgrpo_score_entropies(prompt_ids, completion_ids, masks, vision=[vision[u] for u in which])
 
     @torch.no_grad()
     def _exgrpo_score_entropies(

@@ -122,6 +122,34 @@ def test_entropy_scoring_uses_the_question_image(tmp_path):
     assert abs(expected[0] - expected[1]) > 1e-4  # the image matters, so the comparison means something
 
 
+def test_scoring_processes_each_question_once_for_its_prompt_tokens(tmp_path):
+    """Candidates of one question share its row and prompt: the first tokenization (the prompt tokens that order the
+    chunks) runs the processor once per question, not per candidate, and every candidate scores as it does alone."""
+    trainer = vlm_trainer(tmp_path)
+    trainer.model.eval()
+    ids = trainer.processing_class.tokenizer.convert_tokens_to_ids
+    completions = [ids(["red", "<|im_end|>"]), ids(["blue", "blue", "<|im_end|>"]), ids(["green", "<|im_end|>"])]
+    red = {"prompt": vlm_prompt(), "image": colour_image("red"), "answer": "red"}
+    green = {"prompt": vlm_prompt(), "image": colour_image("green"), "answer": "green"}
+    rows = [red, red, red, green, green]  # 3 candidates of one question, 2 of another
+    chosen = [completions[0], completions[1], completions[2], completions[0], completions[2]]
+    calls = []
+    tokenize = trainer._tokenize_prompts
+
+    def counted(prompts, *args, **kwargs):
+        calls.append(len(prompts))
+        return tokenize(prompts, *args, **kwargs)
+
+    trainer._tokenize_prompts = counted
+    scores = trainer._exgrpo_score_candidates(rows, [r["prompt"] for r in rows], chosen, [None] * 5)
+    assert calls[0] == 2  # one prompt per question; the later calls are the scoring chunks' image inputs
+    alone = [
+        float(trainer._exgrpo_score_candidates([row], [row["prompt"]], [completion], [None])[0])
+        for row, completion in zip(rows, chosen, strict=True)
+    ]
+    assert scores.tolist() == pytest.approx(alone, abs=1e-6)
+
+
 def test_replay_ratio_zero_is_grpo_on_a_vlm(tmp_path):
     from trl import GRPOTrainer
 
