@@ -25,8 +25,9 @@ IMAGE_MULTI_TURN = (
     "trajectory's tool or environment images are not kept with it; train those with GRPOTrainer, or without images."
 )
 IMAGE_VLLM = (
-    "ExGRPOTrainer with image inputs has not been run with vLLM yet (colocate or server mode): generate with "
-    "transformers (use_vllm=False), or train with GRPOTrainer."
+    "ExGRPOTrainer with image inputs has not been run with vLLM yet (colocate or server mode; no test could run "
+    "vLLM's vision-language models, which need torchvision): generate with transformers (use_vllm=False), or train "
+    "with GRPOTrainer."
 )
 
 
