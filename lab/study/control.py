@@ -13,8 +13,11 @@ solved, so their rise alone says nothing.
 from __future__ import annotations
 
 import json
+import statistics
+from collections import defaultdict
 from pathlib import Path
 
+from .regimes import t_interval
 from .run import _r, _rows_by_key, final_model_path
 from .tasks import ARMS, Task
 
@@ -73,9 +76,65 @@ def control_markdown(rows: list[dict], base: str = "grpo") -> str:
     return "\n".join(lines)
 
 
+# What the control compares, per run (None where a figure is missing): name -> (what it says, value of a row)
+CONTRAST = {
+    "lift_beyond_matched": (
+        "the arm's rise on its replayed set beyond its rise on the matched set",
+        lambda r, b: _minus(_minus(r["final"]["replayed"], r["warm_start"]["replayed"]),
+                            _minus(r["final"]["matched"], r["warm_start"]["matched"])),
+    ),
+    "replayed_minus_base": (
+        "the arm's final minus GRPO's final on the replayed set",
+        lambda r, b: _minus(r["final"]["replayed"], r[f"{b}_final"]["replayed"]),
+    ),
+    "matched_minus_base": (
+        "the arm's final minus GRPO's final on the matched set",
+        lambda r, b: _minus(r["final"]["matched"], r[f"{b}_final"]["matched"]),
+    ),
+}  # fmt: skip
+
+
+def _minus(a, b):
+    return None if a is None or b is None else a - b
+
+
+def control_summary(rows: list[dict], base: str = "grpo") -> list[dict]:
+    """Per task and arm, each `CONTRAST` over the runs' seeds: the mean, the standard deviation over seeds and the
+    95% t-interval over seeds (`t_interval`; None with one seed), and the per-seed values."""
+    by_arm = defaultdict(list)
+    for r in rows:
+        by_arm[(r["task"], r["arm"])].append(r)
+    out = []
+    for (task, arm), runs in sorted(by_arm.items()):
+        runs = sorted(runs, key=lambda r: r["seed"])
+        for name, (_, value) in CONTRAST.items():
+            values = [v for v in (value(r, base) for r in runs) if v is not None]
+            if values:
+                ci = t_interval(values)
+                out.append({"task": task, "arm": arm, "contrast": name, "values": [_r(v) for v in values],
+                            "mean": _r(statistics.fmean(values)),
+                            "sd": _r(statistics.stdev(values)) if len(values) > 1 else None,
+                            "ci95": [_r(x) for x in ci] if ci else None})  # fmt: skip
+    return out
+
+
+def summary_markdown(summary: list[dict]) -> str:
+    """One row per task, arm and contrast: mean (sd over seeds) [95% t-interval over seeds], and the seeds' values."""
+    lines = ["| task | arm | contrast | mean (sd) [95% t-interval over seeds] | per seed |", "|---|---|---|---|---|"]
+    for s in summary:
+        sd = "" if s["sd"] is None else f" (sd {s['sd']:.3f})"
+        ci = "" if s["ci95"] is None else f" [{s['ci95'][0]:+.3f}, {s['ci95'][1]:+.3f}]"
+        values = ", ".join(f"{v:+.3f}" for v in s["values"])
+        lines.append(
+            f"| {s['task']} | {s['arm']} | {CONTRAST[s['contrast']][0]} | {s['mean']:+.3f}{sd}{ci} | {values} |"
+        )
+    return "\n".join(lines)
+
+
 def write_control(results: Path, cache_dir: str, tasks: dict[str, Task]) -> str:
     rows = control_rows(results, cache_dir, tasks)
-    table = control_markdown(rows)
-    (Path(results) / "control.json").write_text(json.dumps(rows, indent=1) + "\n")
+    summary = control_summary(rows)
+    table = control_markdown(rows) + "\n\n" + summary_markdown(summary)
+    (Path(results) / "control.json").write_text(json.dumps({"runs": rows, "summary": summary}, indent=1) + "\n")
     (Path(results) / "control.md").write_text("### Over-fitting control\n\n" + table + "\n")
     return table
