@@ -131,10 +131,25 @@ def count_replays(trainer) -> list[int]:
     return counts
 
 
-def buffer_digest(buffer) -> tuple:
-    """Everything the buffer holds, comparable with ==."""
+def buffer_digest(buffer, default=str) -> tuple:
+    """Everything the buffer holds, comparable with == (`default`: how the JSON text renders what it cannot hold)."""
     arrays, meta = buffer.state_dict()
-    return json.dumps(meta, sort_keys=True, default=str), {k: v.tobytes() for k, v in arrays.items()}
+    return json.dumps(meta, sort_keys=True, default=default), {k: v.tobytes() for k, v in arrays.items()}
+
+
+def train_from_checkpoint(trainer, checkpoint, digest=buffer_digest):
+    """Resume `trainer` from `checkpoint` and train on; returns `digest` of its buffer as the checkpoint restored it,
+    before any new step."""
+    loaded = {}
+    original = trainer._load_optimizer_and_scheduler
+
+    def load_and_look(checkpoint_dir):
+        original(checkpoint_dir)
+        loaded["digest"] = digest(trainer.experience_buffer)
+
+    trainer._load_optimizer_and_scheduler = load_and_look
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    return loaded.get("digest")
 
 
 def check_smoke(args, model_dir, tokenizer, reward, dataset, out: Path) -> dict:
@@ -169,19 +184,11 @@ def check_smoke(args, model_dir, tokenizer, reward, dataset, out: Path) -> dict:
     resumed = make_trainer(args, model_dir, tokenizer, reward, dataset, out / "run")
     resumed.args.max_steps = (n + 1) * spg
     replays_after = count_replays(resumed)
-    loaded = {}
-    original = resumed._load_optimizer_and_scheduler
-
-    def load_and_look(checkpoint_dir):  # the buffer as the checkpoint restored it, before any new step
-        original(checkpoint_dir)
-        loaded["digest"] = buffer_digest(resumed.experience_buffer)
-
-    resumed._load_optimizer_and_scheduler = load_and_look
-    resumed.train(resume_from_checkpoint=str(checkpoint))
+    restored = train_from_checkpoint(resumed, checkpoint)
     figures.update(
         resumed_from_step=n * spg,
         resumed_to_step=resumed.state.global_step,
-        buffer_restored_exactly=loaded.get("digest") == saved,
+        buffer_restored_exactly=restored == saved,
         replayed_groups_after_resume=replays_after,
         buffer_trajectories_after_resume=resumed.experience_buffer.num_trajectories,
     )

@@ -27,6 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: the tests' tiny VLM builder
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # real_vocab's resume check
+from real_vocab import buffer_digest, train_from_checkpoint  # noqa: E402
+
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer  # noqa: E402
 from exgrpo_trl.buffer import image_digest, row_key  # noqa: E402
 from exgrpo_trl.state import STATE_DIRNAME  # noqa: E402
@@ -125,8 +128,7 @@ def watch_replays(trainer, k: int) -> dict:
 
 def digest(buffer) -> tuple:
     """Everything the buffer holds, comparable with ==: an image by its pixels (`image_digest`)."""
-    arrays, meta = buffer.state_dict()
-    return json.dumps(meta, sort_keys=True, default=image_digest), {k: v.tobytes() for k, v in arrays.items()}
+    return buffer_digest(buffer, default=image_digest)
 
 
 def main(argv=None) -> int:
@@ -177,19 +179,11 @@ def main(argv=None) -> int:
     resumed = make_trainer(args, model_dir, processor, dataset, out / "run")
     resumed.args.max_steps = (n + 1) * spg
     after = watch_replays(resumed, k)
-    loaded = {}
-    original = resumed._load_optimizer_and_scheduler
-
-    def load_and_look(checkpoint_dir):  # the buffer as the checkpoint restored it, before any new step
-        original(checkpoint_dir)
-        loaded["digest"] = digest(resumed.experience_buffer)
-
-    resumed._load_optimizer_and_scheduler = load_and_look
-    resumed.train(resume_from_checkpoint=str(checkpoint))
+    restored = train_from_checkpoint(resumed, checkpoint, digest)
     figures["resume"] = {
         **after,
         "resumed_to_step": resumed.state.global_step,
-        "buffer_restored_exactly": loaded.get("digest") == saved,
+        "buffer_restored_exactly": restored == saved,
         "buffer_trajectories": resumed.experience_buffer.num_trajectories,
     }
     print(json.dumps(figures), flush=True)

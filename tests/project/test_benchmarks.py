@@ -10,12 +10,17 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def overhead():
-    spec = importlib.util.spec_from_file_location("overhead", ROOT / "benchmarks" / "overhead.py")
+def load_benchmark(name: str):
+    """The module of benchmarks/NAME.py, loaded from its file."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def overhead():
+    return load_benchmark("overhead")
 
 
 def test_turns_alternate_who_goes_first(overhead):
@@ -179,9 +184,7 @@ def test_stop_tokens_end_an_untrained_model_between_the_lengths(overhead):
 
 def test_real_vocab_tiny_run(tmp_path):
     # "real_vocab.py" at a tiny size on the CPU: vocab 512, completions of 8-24 tokens, float32.
-    spec = importlib.util.spec_from_file_location("real_vocab", ROOT / "benchmarks" / "real_vocab.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("real_vocab")
     out = tmp_path / "figures.json"
     assert module.main(["--output-dir", str(tmp_path / "run"), "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
@@ -206,9 +209,7 @@ def test_real_vocab_tiny_run(tmp_path):
 def test_vlm_smoke_tiny_run(tmp_path):
     # "vlm_smoke.py" at its tiny default size on the CPU: the tests' tiny Qwen2-VL, 4 questions x K=8 a generation
     # batch, 2 batches, then 1 more after the resume.
-    spec = importlib.util.spec_from_file_location("vlm_smoke", ROOT / "benchmarks" / "vlm_smoke.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("vlm_smoke")
     out = tmp_path / "figures.json"
     assert module.main(["--output-dir", str(tmp_path / "run"), "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
@@ -227,9 +228,7 @@ def test_vlm_smoke_tiny_run(tmp_path):
 
 def test_vlm_smoke_counts_a_replayed_row_without_its_image(monkeypatch):
     # the check can fail: a planned replay whose rows lost their image is counted, row by row
-    spec = importlib.util.spec_from_file_location("vlm_smoke", ROOT / "benchmarks" / "vlm_smoke.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("vlm_smoke")
     from types import SimpleNamespace
 
     rows = [{"prompt": "q", "image": None} for _ in range(4)]
