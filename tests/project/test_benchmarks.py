@@ -18,6 +18,13 @@ def load_benchmark(name: str):
     return module
 
 
+def run_tiny(name: str, tmp_path) -> dict:
+    """benchmarks/NAME.py at its tiny default size, checkpoints under tmp_path: its figures (it must exit 0)."""
+    out = tmp_path / "figures.json"
+    assert load_benchmark(name).main(["--output-dir", str(tmp_path / "run"), "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
 def overhead():
     return load_benchmark("overhead")
@@ -184,10 +191,7 @@ def test_stop_tokens_end_an_untrained_model_between_the_lengths(overhead):
 
 def test_real_vocab_tiny_run(tmp_path):
     # "real_vocab.py" at a tiny size on the CPU: vocab 512, completions of 8-24 tokens, float32.
-    module = load_benchmark("real_vocab")
-    out = tmp_path / "figures.json"
-    assert module.main(["--output-dir", str(tmp_path / "run"), "--json", str(out)]) == 0
-    figures = json.loads(out.read_text())
+    figures = run_tiny("real_vocab", tmp_path)
     smoke, numerics = figures["smoke"], figures["numerics"]
     # 4 questions x K=8 in micro-batches of 8: 4 optimizer steps a generation batch; 2 batches, then 1 after resume.
     # The first batch has an empty buffer; each later one replays floor(0.5 x 4) = 2 questions.
@@ -209,10 +213,7 @@ def test_real_vocab_tiny_run(tmp_path):
 def test_vlm_smoke_tiny_run(tmp_path):
     # "vlm_smoke.py" at its tiny default size on the CPU: the tests' tiny Qwen2-VL, 4 questions x K=8 a generation
     # batch, 2 batches, then 1 more after the resume.
-    module = load_benchmark("vlm_smoke")
-    out = tmp_path / "figures.json"
-    assert module.main(["--output-dir", str(tmp_path / "run"), "--json", str(out)]) == 0
-    figures = json.loads(out.read_text())
+    figures = run_tiny("vlm_smoke", tmp_path)
     train, resume = figures["train"], figures["resume"]
     # 32 rows in micro-batches of 8: 4 optimizer steps a generation batch; the first batch's buffer is empty
     assert train["optimizer_steps"] == 8 and resume["resumed_to_step"] == 12
@@ -254,8 +255,14 @@ def test_every_benchmark_script_has_a_smoke_run():
     # A benchmark no test runs can rot unseen (buffer_memory.py once did): each script must be named in this file
     # by a test that runs it at a tiny size.
     text = pathlib.Path(__file__).read_text()
-    scripts = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
-    assert scripts and all(f'"{name}"' in text for name in scripts), scripts
+    scripts = sorted(p for p in (ROOT / "benchmarks").glob("*.py"))
+
+    def named(script) -> bool:  # its file name, or its module name given to load_benchmark / run_tiny
+        return any(
+            form in text for form in (f'"{script.name}"', f'benchmark("{script.stem}")', f'tiny("{script.stem}"')
+        )
+
+    assert scripts and all(named(script) for script in scripts), [s.name for s in scripts if not named(s)]
 
 
 def test_study_script_reports_saved_runs(tmp_path):
