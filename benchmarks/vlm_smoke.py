@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # real_vocab's resume 
 from real_vocab import buffer_digest, train_from_checkpoint  # noqa: E402
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer  # noqa: E402
-from exgrpo_trl.buffer import image_digest, row_key  # noqa: E402
+from exgrpo_trl.buffer import image_digest, row_images, row_key  # noqa: E402
 from exgrpo_trl.state import STATE_DIRNAME  # noqa: E402
 from tests.support.tiny_vlm import build_tiny_processor, colour_reward, save_tiny_vlm, tiny_vlm_dataset  # noqa: E402
 
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         "mean_completion_length": round(statistics.mean(lengths), 1) if lengths else None,
         "buffer_questions": buffer.num_questions,
         "buffer_trajectories": buffer.num_trajectories,
-        "stored_images": sum(len(e.row.get("images") or [e.row.get("image")]) for e in buffer.questions.values()),
+        "stored_images": sum(len(row_images(e.row)) for e in buffer.questions.values()),
         "checkpoint_has_buffer": (checkpoint / STATE_DIRNAME).is_dir(),
         "state_bytes": sum(f.stat().st_size for f in (checkpoint / STATE_DIRNAME).iterdir()),
     }
