@@ -443,9 +443,11 @@ def _difference_figure(groups, x_key: str, x_label: str, path: Path, noise: floa
                 hi = [c[1] - m for m, c in zip(med, ci)]
                 ax.errorbar(x, med, yerr=[lo, hi], fmt=marker + ("" if annotate else "-"), capsize=4, lw=1.4,
                             ms=6, fillstyle=fill, label=f"{label}, {axis}")  # fmt: skip
-                if annotate and axis == "equal updates":
+                if annotate and axis == "equal rollouts":
                     for i, p in enumerate(shown):
-                        ax.annotate(p["task"], (x[i], med[i]), fontsize=6, xytext=(4, 4 if i % 2 == 0 else -9),
+                        # right of the rightmost bar, centred on it: settings at one step with close figures
+                        # (countdown-medium and -weak) stay apart, where offsets alternating up and down crossed
+                        ax.annotate(p["task"], (x[i], med[i]), fontsize=6, xytext=(6, 0), va="center",
                                     textcoords="offset points")  # fmt: skip
         ax.axhline(0.0, color="black", lw=0.8)
         if noise and what == "final":
