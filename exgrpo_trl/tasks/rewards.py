@@ -15,7 +15,9 @@ main thread (elsewhere math-verify raises ``ValueError``) and counts whole secon
 math-verify with its timeouts off and bound each phase ourselves:
 
 - on the main thread (where TRL calls reward functions) with a ``SIGALRM`` interval timer around each phase; the
-  timer raises a ``BaseException`` so that math-verify's ``except Exception`` clauses cannot swallow it and carry on;
+  timer raises a ``BaseException`` so that math-verify's ``except Exception`` clauses cannot swallow it and carry on,
+  and raises again every 50 ms until the phase is over (a raise that lands in a finalizer run by the garbage collector
+  mid-parse is dropped by Python);
 - on any other thread, in a helper process that runs the same code on its own main thread; the caller waits at most
   the total budget and kills the helper if it overruns (a thread cannot be interrupted, a process can).
 
@@ -40,7 +42,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
 from typing import Any
 
 from ..utils.requirements import require
@@ -123,23 +124,37 @@ def _on_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
+# An alarm's exception can land in an object's __del__ that the garbage collector runs in the middle of a parse;
+# Python prints an exception raised there and drops it. So the timer fires again every _RETRY_S until the phase is
+# over, and the handler raises only while a phase runs (_ARMED; main thread only).
+_RETRY_S = 0.05
+_ARMED = [False]
+
+
 def _raise_phase_timeout(signum, frame):
+    if not _ARMED[0]:
+        return  # an alarm after its phase ended: nothing to stop
+    signal.setitimer(signal.ITIMER_REAL, _RETRY_S)  # again soon, in case this raise is dropped
     raise _PhaseTimeout()
 
 
-@contextmanager
-def _time_limit(seconds: float):
-    """Raise `_PhaseTimeout` in the main thread after `seconds` of wall time. Main thread only.
+def _run_limited(seconds: float, phase: Callable[[], Any]) -> Any:
+    """`phase()`, with `_PhaseTimeout` raised in the main thread after `seconds` of wall time (and every _RETRY_S
+    after that until the phase is over). Main thread only.
 
     Restores the previous SIGALRM handler and re-arms a timer that was already running (minus the time spent
     here), so that an outer user of ITIMER_REAL is not silently disarmed.
     """
     start = time.monotonic()
     old_handler = signal.signal(signal.SIGALRM, _raise_phase_timeout)
+    _ARMED[0] = True
     old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3))
     try:
-        yield
+        return phase()
     finally:
+        # First, before any call (Python runs a signal handler at a call or a jump back, not at a store): from here
+        # on an alarm does nothing, so no _PhaseTimeout can be raised past this function.
+        _ARMED[0] = False
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old_handler)
         if old_delay > 0:
@@ -163,10 +178,9 @@ def _parse_gold(answer: str, parse_timeout_s: float) -> list:
 
     gold: list = []
     try:
-        with _time_limit(parse_timeout_s):
-            gold = parse(f"${answer}$", parsing_timeout=None)
-            if not gold:
-                gold = parse(answer, parsing_timeout=None)
+        gold = _run_limited(
+            parse_timeout_s, lambda: parse(f"${answer}$", parsing_timeout=None) or parse(answer, parsing_timeout=None)
+        )
     except _PhaseTimeout:
         gold = []
     if gold and len(_GOLD_CACHE) < _GOLD_CACHE_MAX:
@@ -182,12 +196,10 @@ def _score_here(solution: str, answer: str, parse_timeout_s: float, verify_timeo
         gold = _parse_gold(answer, parse_timeout_s)
         if not gold:
             return 0.0
-        with _time_limit(parse_timeout_s):
-            pred = parse(solution, parsing_timeout=None)
+        pred = _run_limited(parse_timeout_s, lambda: parse(solution, parsing_timeout=None))
         if not pred:
             return 0.0
-        with _time_limit(verify_timeout_s):
-            return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
+        return 1.0 if _run_limited(verify_timeout_s, lambda: verify(gold, pred, timeout_seconds=None)) else 0.0
     except _PhaseTimeout:
         return 0.0
     except Exception:  # noqa: BLE001 - a reward never raises on a completion; malformed input scores 0

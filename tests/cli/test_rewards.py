@@ -141,6 +141,45 @@ def test_pathological_inputs_main_thread(verifier, name):
         assert elapsed >= 0.9 * VERIFY_S
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_time_limit_that_lands_in_a_finalizer_still_stops_the_phase(monkeypatch):
+    """A phase's first alarm can land in an object's __del__ that the garbage collector runs in the middle of the
+    parse (in the full suite it landed in a datasets.Dataset's): Python prints an exception raised there and drops
+    it, and a one-shot timer then let the parse run on unbounded (nested_sqrt took 7.1 s against a 1 s phase). The
+    timer fires again every _RETRY_S until the phase is over, and a late alarm after it does nothing."""
+    import math_verify
+
+    real_parse = math_verify.parse
+    dropped = []
+    monkeypatch.setattr("sys.unraisablehook", lambda u: dropped.append(u.exc_type))
+
+    class Finalizer:
+        def __del__(self):
+            while True:  # a Python loop: the phase's first alarm is handled here, and ends the loop
+                pass
+
+    def parse(text, parsing_timeout=None):
+        if text != "SLOW":
+            return real_parse(text, parsing_timeout=parsing_timeout)  # the reference answer
+        Finalizer()  # no reference kept: its __del__ runs at once, until the first alarm
+        end = time.monotonic() + 10.0
+        while time.monotonic() < end:  # the parse carries on: only a second alarm can stop it
+            pass
+        return []
+
+    monkeypatch.setattr(math_verify, "parse", parse)
+    previous = signal.getsignal(signal.SIGALRM)
+    start = time.monotonic()
+    assert rewards._score_here("SLOW", "2", 0.5, 0.5) == 0.0
+    elapsed = time.monotonic() - start
+    assert dropped == [rewards._PhaseTimeout]  # the first alarm really was dropped in the finalizer
+    # 0.5 s phase + one retry (0.05 s) + parsing "$2$"; a one-shot timer took the whole 10 s
+    assert elapsed < 2.0, f"{elapsed:.1f}s"
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)  # nothing left armed
+    assert signal.getsignal(signal.SIGALRM) is previous
+    assert rewards._raise_phase_timeout(signal.SIGALRM, None) is None  # an alarm after the phase: no raise
+
+
 def test_pathological_inputs_off_the_main_thread(verifier):
     """Off the main thread math-verify's signal timeouts raise; the helper process keeps it bounded and killable."""
     # start the helper process first (its start-up is not charged to a completion)
