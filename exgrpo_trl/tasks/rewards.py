@@ -126,16 +126,14 @@ def _on_main_thread() -> bool:
 
 # An alarm's exception can land in an object's __del__ that the garbage collector runs in the middle of a parse;
 # Python prints an exception raised there and drops it. So the timer fires again every _RETRY_S until the phase is
-# over, and the handler raises only while a phase runs (_ARMED; main thread only).
+# over (the timer's interval), and the handler raises only while a phase runs (_armed; main thread only).
 _RETRY_S = 0.05
-_ARMED = [False]
+_armed = False
 
 
 def _raise_phase_timeout(signum, frame):
-    if not _ARMED[0]:
-        return  # an alarm after its phase ended: nothing to stop
-    signal.setitimer(signal.ITIMER_REAL, _RETRY_S)  # again soon, in case this raise is dropped
-    raise _PhaseTimeout()
+    if _armed:  # else an alarm after its phase ended: nothing to stop
+        raise _PhaseTimeout()
 
 
 def _run_limited(seconds: float, phase: Callable[[], Any]) -> Any:
@@ -145,16 +143,17 @@ def _run_limited(seconds: float, phase: Callable[[], Any]) -> Any:
     Restores the previous SIGALRM handler and re-arms a timer that was already running (minus the time spent
     here), so that an outer user of ITIMER_REAL is not silently disarmed.
     """
+    global _armed
     start = time.monotonic()
     old_handler = signal.signal(signal.SIGALRM, _raise_phase_timeout)
-    _ARMED[0] = True
-    old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3))
+    _armed = True
+    old_delay, old_interval = signal.setitimer(signal.ITIMER_REAL, max(seconds, 1e-3), _RETRY_S)
     try:
         return phase()
     finally:
         # First, before any call (Python runs a signal handler at a call or a jump back, not at a store): from here
         # on an alarm does nothing, so no _PhaseTimeout can be raised past this function.
-        _ARMED[0] = False
+        _armed = False
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old_handler)
         if old_delay > 0:
