@@ -7,6 +7,7 @@ and Python values so it can be unit-tested with lists and saved without pickle.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import math
@@ -28,6 +29,10 @@ MASK_DTYPE = np.uint8
 SAMPLING_SETTINGS = ("mu", "sigma", "question_selection", "cooldown")
 # What a state saved before a setting existed had (the setting's value then): states without a reuse limit.
 SETTING_DEFAULTS = {"cooldown": 0}
+# The concentration of replay (`ExperienceBuffer.reuse`) is read over this many draws (generation batches that
+# replay): long enough that a reuse limit of N < 49 still leaves room for a question to come back (at most
+# ceil(50 / (N + 1)) times), so the figure means the same with or without a limit.
+REUSE_WINDOW = 50
 
 
 def image_digest(image: Any) -> str:
@@ -221,6 +226,8 @@ class ExperienceBuffer:
         self.cooldown = cooldown
         self.draws = 0  # replay draws closed so far (`mark_replayed`): one per generation batch once replay is on
         self.replayed_at: dict[str, int] = {}  # question -> the draw it was last replayed in (buffer questions only)
+        # the questions of each of the last REUSE_WINDOW draws (retired ones included): what `reuse` reads
+        self.recent_draws: collections.deque[list[str]] = collections.deque(maxlen=REUSE_WINDOW)
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.questions: dict[str, QuestionEntry] = {}  # insertion-ordered: sampling is reproducible
         self.retired: set[str] = set()
@@ -339,7 +346,16 @@ class ExperienceBuffer:
             if key in self.questions:
                 self.replayed_at[key] = self.draws
         self.draws += 1
+        self.recent_draws.append(list(keys))
         return repeats
+
+    def reuse(self) -> float | None:
+        """Replays per distinct replayed question over the last `REUSE_WINDOW` draws: 1.0 when no question came back,
+        up to the window's length when the same questions are drawn every time (None: nothing replayed in it). A reuse
+        limit of N caps it at ceil(draws / (N + 1)); unlike the repeat share it is not 0 by construction then."""
+        replays = sum(len(keys) for keys in self.recent_draws)
+        distinct = len({key for keys in self.recent_draws for key in keys})
+        return replays / distinct if distinct else None
 
     def choose_random(self, n: int) -> int:
         """Index of one of `n` candidates, uniformly, from the buffer's generator (random trajectory selection)."""
@@ -386,6 +402,7 @@ class ExperienceBuffer:
             # the reuse limit's clock (`mark_replayed`), kept with or without a limit: the repeat share reads it
             "draws": self.draws,
             "replayed_at": dict(self.replayed_at),
+            "recent_draws": [list(keys) for keys in self.recent_draws],
         }
 
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -484,6 +501,8 @@ class ExperienceBuffer:
         self.retired.update(meta["retired"])
         self.draws = int(meta.get("draws", 0))  # states written before the reuse limit had none
         self.replayed_at = {key: int(d) for key, d in meta.get("replayed_at", {}).items()}
+        self.recent_draws.clear()  # states written before the concentration figure had none: it restarts
+        self.recent_draws.extend(list(keys) for keys in meta.get("recent_draws", []))
 
     def config_changes(self, saved_config: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
         """The sampling settings that differ between a saved state's config and this buffer: name -> (saved, now)."""

@@ -481,6 +481,9 @@ class ExGRPORun:
             figures["batch/fresh_all_fail"] = sum(1 for k in fresh if k == 0) / len(fresh)
         if plan is not None:
             figures["replay/repeat_share"] = plan.repeat_share
+        reuse = self.buffer.reuse() if collecting and self.cfg.replays and self.ranks.is_main_process else None
+        if reuse is not None:  # the main process draws: only its buffer knows the recent draws
+            figures["replay/reuse"] = reuse
         if plan is not None and plan.selected_entropies:
             figures["replay/selected_entropy"] = sum(plan.selected_entropies) / len(plan.selected_entropies)
         self._figures(figures)

@@ -567,6 +567,9 @@ def _check_shape(path: Path, meta: dict[str, Any]) -> None:
     _field(path, buffer, "draws", "buffer", "a non-negative integer", optional=True)  # these three (reuse limit)
     for key, draw in (_field(path, buffer, "replayed_at", "buffer", "an object", optional=True) or {}).items():
         _expect(path, f"buffer.replayed_at[{key!r}]", draw, "a non-negative integer")
+    for i, keys in enumerate(_field(path, buffer, "recent_draws", "buffer", "an array", optional=True) or []):
+        for j, key in enumerate(_expect(path, f"buffer.recent_draws[{i}]", keys, "an array")):
+            _expect(path, f"buffer.recent_draws[{i}][{j}]", key, "a string")
 
     # the trainer's switches: optional (a state may be saved with none), typed when present
     trainer = meta["trainer"]

@@ -2,6 +2,8 @@
 
 python -m lab.study --tasks countdown-hard --arms grpo,exgrpo --seeds 0-4
 python -m lab.study --report-only
+python -m lab.study --confirm                       # the registered study (lab.study.confirm)
+python -m lab.study --verify RUN.json --updates 50  # retrain a run's first updates, compare every record
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import confirm
 from .report import report
 from .run import run_one
 from .schedule import _parse_seeds, run_missing, run_path
@@ -23,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)}")
     p.add_argument("--arms", default=",".join(MAIN_ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     p.add_argument("--seeds", default="0-4", help="e.g. 0-4 or 0,2,5 (default 0-4)")
-    p.add_argument("--results", type=Path, default=Path(DEFAULT_RESULTS), help=f"default {DEFAULT_RESULTS}")
+    p.add_argument(
+        "--results", type=Path, default=None, help=f"default {DEFAULT_RESULTS} ({confirm.RESULTS} with --confirm)"
+    )
     p.add_argument("--cache-dir", type=Path, default=Path(DEFAULT_CACHE), help="warm starts and run logs")
     p.add_argument("--jobs", type=int, default=2, help="runs trained at a time (default 2, one thread each)")
     p.add_argument("--report-only", action="store_true", help="train nothing: tables and figure from saved runs")
@@ -33,6 +38,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="train nothing: the over-fitting control (GRPO's final model on each run's most replayed and matched "
         "never-replayed questions), written to RESULTS/control.md",
     )
+    p.add_argument(
+        "--confirm",
+        action="store_true",
+        help=f"the registered study ({confirm.RESULTS}/plan.md): its runs in its order, from a committed tree and "
+        "the commit of the runs already saved, then its analysis (with --report-only: the analysis only)",
+    )
+    p.add_argument(
+        "--verify",
+        type=Path,
+        metavar="RUN.json",
+        help="retrain the first --updates updates of a saved run at this checkout and compare every record with it "
+        "(exit 1 on any difference)",
+    )
+    p.add_argument("--updates", type=int, default=50, help="updates --verify retrains (default 50)")
     p.add_argument("--quick", action="store_true", help="a smoke study in seconds: " + str(QUICK))
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
@@ -49,11 +68,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.results is None:
+        args.results = Path(confirm.RESULTS if args.confirm else DEFAULT_RESULTS)
+    if args.confirm and (args.quick or args.set):
+        print("lab.study: --confirm runs the registered settings as they are: no --quick or --set", file=sys.stderr)
+        return 2
     try:
         tasks = build_tasks(args.quick, parse_overrides(args.set))
     except ValueError as exc:
         print(f"lab.study: {exc}", file=sys.stderr)
         return 2
+    if args.verify is not None:
+        from .verify import verify
+
+        try:
+            ok, text = verify(args.verify, args.updates, str(args.cache_dir))
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"lab.study: --verify {args.verify}: {exc}", file=sys.stderr)
+            return 2
+        print(text)
+        return 0 if ok else 1
     if args.run_one:
         from ..quiet import quiet
 
@@ -66,8 +100,11 @@ def main(argv: list[str] | None = None) -> int:
                 run_path(args.results, task, arm, int(seed)),
                 str(args.cache_dir),
                 str(Path(args.cache_dir) / "study-trainer"),
+                confirmatory=args.confirm,
             )
         return 0
+    if args.confirm:
+        return _confirm(args, tasks)
     if args.control:
         from .control import write_control
 
@@ -89,6 +126,32 @@ def main(argv: list[str] | None = None) -> int:
     _, table = report(args.results, None, None)  # every saved run: a partial call must not shrink the report
     print(table)
     print(f"results: {args.results / 'results.json'}, {args.results / 'results.md'}, {args.results / 'study.png'}")
+    for failure in failures:
+        print(failure, file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _confirm(args, tasks) -> int:
+    """The registered study: refuse an uncommitted tree or another commit's runs, train what is missing in the
+    registered order, then the analysis (and the usual report and figures)."""
+    from .provenance import LAB_ROOT, DirtyTree, require_clean
+
+    failures = []
+    if not args.report_only:
+        try:
+            commit = require_clean(LAB_ROOT)["commit"]
+            confirm.check_one_commit(args.results, commit)
+        except (DirtyTree, ValueError) as exc:
+            print(f"lab.study: --confirm: {exc}", file=sys.stderr)
+            return 2
+        todo = [key for key in confirm.registered_order() if not run_path(args.results, *key).exists()]
+        done = len(confirm.registered_order()) - len(todo)
+        print(f"lab.study: the registered study at {commit[:12]}: {len(todo)} runs to train, {done} found", flush=True)
+        failures = run_missing(args, tasks, todo) if todo else []
+    if any(args.results.glob("*/*/seed*.json")):
+        report(args.results, None, None)
+    _, text = confirm.analyse(args.results)
+    print(text)
     for failure in failures:
         print(failure, file=sys.stderr)
     return 1 if failures else 0

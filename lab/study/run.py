@@ -116,14 +116,33 @@ def progress_path(cache_dir: str | Path, task: str, arm: str, seed: int) -> Path
     return Path(cache_dir) / "study-logs" / f"{task}-{arm}-seed{seed}.progress"
 
 
-def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str, workdir: str) -> dict:
-    """Train one arm of one task with one seed, and save its JSON (atomically) to `out_path`."""
+def run_one(
+    task: Task,
+    arm_name: str,
+    seed: int,
+    out_path: Path | None,
+    cache_dir: str,
+    workdir: str,
+    *,
+    confirmatory: bool = False,
+    stop_after: int | None = None,
+) -> dict:
+    """Train one arm of one task with one seed, and save its JSON (atomically) to `out_path`.
+
+    `confirmatory`: a registered run (`lab.study.confirm`): refused from a tree with uncommitted changes to tracked
+    files, and a resume from a checkpoint another commit wrote is refused too. `stop_after`: train only the first
+    `stop_after` updates from scratch (no resume) and return what was recorded up to there, saving nothing: what
+    `lab.study.verify` compares with a saved run."""
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
 
     from exgrpo_trl.checkpoints import CHECKPOINT_PREFIX, checkpoint_step
 
+    from .provenance import LAB_ROOT, provenance, require_clean
+
+    if confirmatory:
+        require_clean(LAB_ROOT)  # at once, before minutes of loading
     arm = ARMS[arm_name]
     torch.set_num_threads(1)
     start = time.perf_counter()
@@ -151,7 +170,19 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
         "config": {k: v for k, v in kwargs.items() if k not in ("output_dir", "report_to", "disable_tqdm")},
     }
     settings = json.loads(json.dumps(settings))  # as a saved state holds it
-    resume, saved = _resume_point(kwargs["output_dir"], settings) if arm.exgrpo is not None else (None, None)
+    made_by = provenance(
+        LAB_ROOT, config=config, warm_start=warm, train_set=train_set, eval_set=eval_set, confirmatory=confirmatory
+    )
+    resume, saved = (None, None)
+    if arm.exgrpo is not None and stop_after is None:
+        resume, saved = _resume_point(kwargs["output_dir"], settings)
+    if saved is not None and saved.get("provenance", {}).get("commit") != made_by["commit"]:
+        if confirmatory:  # one registered run, one commit
+            raise RuntimeError(
+                f"{resume} was written by commit {saved.get('provenance', {}).get('commit')}, this tree is at "
+                f"{made_by['commit']}: resume a registered run from the commit that started it"
+            )
+        made_by["resumed_from_commit"] = saved.get("provenance", {}).get("commit")
     seen: Counter = Counter()  # training question -> rollouts scored (fresh and replayed rows alike)
     solved: Counter = Counter()  # training question -> successful rollouts among them
 
@@ -179,7 +210,7 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
         model=model, reward_funcs=[reward], args=config, train_dataset=train_set, processing_class=tokenizer
     )
     k, groups, spg = task.num_generations, task.generation_questions, task.steps_per_generation
-    progress = progress_path(cache_dir, task.name, arm_name, seed)
+    progress = progress_path(cache_dir, task.name, arm_name, seed) if stop_after is None else None
     # One entry per optimizer step; a generation batch is drawn at the first update of each `spg`, and its figures
     # (questions, replays, rollouts) are logged at that step, zeros at the others.
     steps_log: dict[str, list] = {
@@ -242,14 +273,17 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
                 weights.clear()
             if state.global_step % task.eval_every == 0 or state.global_step == state.max_steps:
                 evaluate_now(state.global_step, total)
-            _write_atomic(progress, f"{state.global_step} {state.max_steps}\n")
+            if progress is not None:
+                _write_atomic(progress, f"{state.global_step} {state.max_steps}\n")
+            if stop_after is not None and state.global_step >= stop_after:
+                control.should_training_stop = True
 
         def on_save(self, args, state, control, **kw):  # after the trainer's own save: its checkpoint is complete
             checkpoint = Path(args.output_dir) / f"{CHECKPOINT_PREFIX}{state.global_step}"
             if checkpoint.is_dir():
                 recorded = {"settings": settings, "seconds": round(time.perf_counter() - start, 1), "steps": steps_log,
                             "curve": curve, "seen": seen, "solved": solved, "replay_counts": replay_counts,
-                            "resumed_at": resumed_at, "batches": batches}  # fmt: skip
+                            "resumed_at": resumed_at, "batches": batches, "provenance": made_by}  # fmt: skip
                 _write_atomic(checkpoint / STUDY_STATE, json.dumps(recorded))
 
     from transformers.trainer_callback import PrinterCallback
@@ -261,6 +295,10 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
     if resume is None:
         evaluate_now(0, 0)
     trainer.train(resume_from_checkpoint=resume)
+    if stop_after is not None:  # a verification: what was recorded up to there, nothing saved
+        shutil.rmtree(kwargs["output_dir"], ignore_errors=True)
+        return {"task": task.name, "arm": arm_name, "seed": seed, "settings": settings, "provenance": made_by,
+                "curve": curve, "steps": steps_log, "batches": batches}  # fmt: skip
 
     # End-of-run probes on training questions: the most replayed ones and the retired ones, warm start vs final.
     rows = _rows_by_key(train_set)
@@ -297,6 +335,7 @@ def run_one(task: Task, arm_name: str, seed: int, out_path: Path, cache_dir: str
         "arm": arm_name,
         "seed": seed,
         "settings": settings,
+        "provenance": made_by,
         "seconds": round(time.perf_counter() - start, 1),
         "resumed_at": resumed_at,
         "curve": curve,
@@ -430,7 +469,8 @@ def batch_record(step: int, plan, groups: dict, buffer) -> dict:
     (`group_shares`), the bucket occupancy of the buffer the batch drew from (questions per k = 1..K-1; its outcome
     is committed after the batch's first pass, so not yet), the age in updates of each replayed stored trajectory
     (`step` minus the update it was collected at), the bucket (success count k) of each replayed question when it
-    was drawn, and the share of them also replayed in the generation batch before (`repeat_share`)."""
+    was drawn, the share of them also replayed in the generation batch before (`repeat_share`), and replays per
+    distinct replayed question over the last 50 draws (`reuse`: the trainer's `exgrpo/replay/reuse`)."""
     ages = [step - c for c in plan.collected_at] if plan is not None and plan.with_trajectories else []
     return {
         "step": step,
@@ -439,6 +479,7 @@ def batch_record(step: int, plan, groups: dict, buffer) -> dict:
         "age": {"mean": _r(statistics.mean(ages), 2), "max": max(ages)} if ages else None,
         "replayed_buckets": list(plan.buckets) if plan is not None else [],
         "repeat_share": _r(plan.repeat_share) if plan is not None else None,
+        "reuse": _r(buffer.reuse()) if buffer is not None else None,
     }
 
 

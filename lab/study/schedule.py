@@ -9,11 +9,9 @@ import sys
 import time
 from pathlib import Path
 
+from .provenance import LAB_ROOT
 from .run import progress_path
 from .tasks import Task
-
-# The folder that holds `lab/`: children run `python -m lab.study` from there (the lab is not installed).
-LAB_ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_path(results: Path, task: str, arm: str, seed: int) -> Path:
@@ -33,6 +31,7 @@ def _child_command(args, task: str, arm: str, seed: int) -> list[str]:
     # absolute: the child runs from the lab's folder, not the caller's
     cmd += ["--results", str(Path(args.results).resolve()), "--cache-dir", str(Path(args.cache_dir).resolve())]
     cmd += [part for item in args.set for part in ("--set", item)]
+    cmd += ["--confirm"] if getattr(args, "confirm", False) else []
     return cmd + (["--quick"] if args.quick else [])
 
 

@@ -218,3 +218,31 @@ def test_reuse_limit_is_state_and_off_changes_nothing():
     assert e.config_changes(old["config"] | {"cooldown": 0}) == {"cooldown": (0, 3)}
     del old["config"]["cooldown"]  # written before the option: read as no limit
     assert e.config_changes(old["config"]) == {"cooldown": (0, 3)}
+
+
+def test_reuse_is_replays_per_distinct_question_over_the_window_and_is_state():
+    buffer = filled({3: 3})
+    a, b, c = list(buffer.questions)
+    assert buffer.reuse() is None  # nothing drawn yet
+    buffer.mark_replayed([a, b])
+    assert buffer.reuse() == 1.0  # 2 replays of 2 questions
+    buffer.mark_replayed([a, c])
+    buffer.mark_replayed([a])
+    buffer.mark_replayed([])  # a draw that replayed nothing still takes a place in the window
+    assert buffer.reuse() == pytest.approx(5 / 3)  # a three times, b and c once: 5 replays of 3 questions
+    # the window holds the last REUSE_WINDOW (50) draws: 46 more draws of c leave the four above in it
+    for _ in range(46):
+        buffer.mark_replayed([c])
+    assert buffer.reuse() == pytest.approx((5 + 46) / 3)
+    buffer.mark_replayed([c])  # draw 51 pushes out draw 1 ([a, b]): a twice, c 48 times, b gone
+    assert buffer.reuse() == pytest.approx((2 + 48) / 2)
+    # a retired question's replays stay in the window (they happened), and the window is saved and restored
+    buffer.retire(a)
+    arrays, meta = buffer.state_dict()
+    restored = ExperienceBuffer(8)
+    restored.load_state_dict(arrays, meta)
+    assert list(restored.recent_draws) == list(buffer.recent_draws) and restored.reuse() == pytest.approx(25.0)
+    # a state saved before the figure existed restores with an empty window
+    old = {k: v for k, v in meta.items() if k != "recent_draws"}
+    restored.load_state_dict(arrays, old)
+    assert restored.reuse() is None and len(restored.recent_draws) == 0

@@ -98,6 +98,7 @@ def test_one_generation_batch_by_hand():
     metrics = {name.removeprefix(METRIC_PREFIX): values for name, values in run.metrics.items()}
     assert metrics["replay/fraction"] == [0.25] and metrics["batch/pass_at_1"] == [0.5]
     assert metrics["batch/fresh_all_fail"] == [pytest.approx(1 / 3)] and metrics["replay/repeat_share"] == [0.0]
+    assert metrics["replay/reuse"] == [1.0]  # one replay of one question over the window so far
     assert run.switches == {"replay_active": True, "generation_batches": 1} and run.batch is batch
 
     # the first loss pass over the batch records the behaviour log-probs and commits (micro_batches_left was 1)

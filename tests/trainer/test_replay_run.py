@@ -82,6 +82,10 @@ def test_buffer_grows_and_metrics_logged(replay_run):
             assert plan.repeats == [key in previous for key in keys]
         previous = set(keys)
     assert 0.0 <= history[-1]["exgrpo/replay/repeat_share"] <= 1.0
+    # reuse: replays per distinct replayed question over the draws so far (fewer than the window's 50)
+    drawn = [key for batch in replay_run.batches if batch["plan"] is not None for key in batch["plan"].keys]
+    assert replay_run.experience_buffer.reuse() == pytest.approx(len(drawn) / len(set(drawn)))
+    assert history[-1]["exgrpo/replay/reuse"] >= 1.0
     assert 0.0 <= history[-1]["exgrpo/batch/fresh_all_fail"] <= 1.0
     assert history[-1]["exgrpo/buffer/questions"] == sum(history[-1][f"exgrpo/buffer/bucket_{b}"] for b in range(1, 8))
     # the completions table marks the replayed rows

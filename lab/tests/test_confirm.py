@@ -1,0 +1,196 @@
+"""The registered study's machinery: provenance in every run, the refusal of an uncommitted tree, `--verify`, the
+registered order and the analysis's tests and correction (p-values derived by hand in the comments)."""
+
+import json
+import math
+import subprocess
+
+import pytest
+
+from lab import study
+from lab.study import confirm, provenance, stats
+from lab.study import run as study_run
+from lab.tests.records import make_record
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+def test_t_distribution_by_hand():
+    # df = 4 (A&S 26.7.4): theta = atan(t / 2), P(|T| <= t) = sin(theta) (1 + cos^2(theta) / 2). At t = 2:
+    # sin = 2 / sqrt(8) = 0.707107, cos^2 = 1/2 -> A = 0.883883, P(T <= 2) = 0.941942.
+    assert stats.t_cdf(2.0, 4) == pytest.approx(0.941942, abs=1e-6)
+    assert stats.t_cdf(-2.0, 4) == pytest.approx(1 - 0.941942, abs=1e-6)
+    # df = 1 is Cauchy: P(T <= 1) = 1/2 + atan(1) / pi = 0.75; df = 3 (odd series): at t = sqrt(3), theta = pi/4,
+    # A = (2/pi)(pi/4 + sin cos) = (2/pi)(0.785398 + 0.5) = 0.818310, P = 0.909155.
+    assert stats.t_cdf(1.0, 1) == pytest.approx(0.75, abs=1e-12)
+    assert stats.t_cdf(math.sqrt(3), 3) == pytest.approx(0.909155, abs=1e-6)
+    # the table's 97.5% points
+    for df, t in ((1, 12.706), (4, 2.776), (10, 2.228)):
+        assert stats.t_cdf(t, df) == pytest.approx(0.975, abs=2e-5)
+
+
+def test_paired_tests_by_hand():
+    values = [0.01, 0.02, 0.03, 0.04, 0.05]
+    # mean 0.03, sd sqrt(0.00025) = 0.0158114, se 0.00707107, t = 4.24264; df 4: sin(theta) = 4.24264 / sqrt(22)
+    # = 0.904534, cos^2 = 4/22 -> A = 0.904534 * (1 + 2/22) = 0.986764 -> two-sided p = 1 - A = 0.013236
+    assert stats.t_test_p(values) == pytest.approx(0.013236, abs=1e-6)
+    # non-inferiority by 0.01: t = (0.03 + 0.01) / 0.00707107 = 5.65685; sin = 5.65685 / 6 = 0.942809, cos^2 = 1/9
+    # -> A = 0.942809 * (1 + 1/18) = 0.995187, P(T <= t) = 0.997593 -> one-sided p = 0.002407
+    assert stats.noninferiority_p(values, 0.01) == pytest.approx(0.002407, abs=1e-6)
+    # sign-flip: all five positive, only the all-plus and all-minus patterns reach |sum| 0.15: 2 / 32
+    assert stats.sign_flip_p(values) == 2 / 32
+    assert stats.sign_flip_p(values, shift=0.01, two_sided=False) == 1 / 32  # the smallest one-sided p with 5
+    # [0.02, -0.01, 0.03]: sum 0.04; the 8 sign patterns of (0.02, 0.01, 0.03) sum to +-0.06, +-0.04, +-0.02, 0, 0:
+    # |sum| >= 0.04 for 4 of 8
+    assert stats.sign_flip_p([0.02, -0.01, 0.03]) == 0.5
+    assert stats.t_test_p([0.02]) is None and stats.t_test_p([0.01, 0.01]) == 0.0  # no spread: t infinite
+
+
+def test_holm_by_hand():
+    # sorted 0.01, 0.03, 0.04 of m = 3: 3 * 0.01 = 0.03, 2 * 0.03 = 0.06, 1 * 0.04 -> max(0.06, 0.04) = 0.06;
+    # None is not a member of the family
+    assert stats.holm([0.01, 0.04, 0.03, None]) == pytest.approx([0.03, 0.06, 0.06, None])
+    assert stats.holm([0.6, 0.5]) == [1.0, 1.0]  # capped at 1
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+def test_registered_order_pairs_first_then_exgrpo():
+    order = confirm.registered_order()
+    assert len(order) == len(set(order)) == 60
+    assert order[:4] == [("addition", "grpo", 20), ("addition", "reuse_limit", 20), ("addition", "grpo", 21),
+                         ("addition", "reuse_limit", 21)]  # fmt: skip
+    assert {a for _, a, _ in order[:40]} == {"grpo", "reuse_limit"} and {a for _, a, _ in order[40:]} == {"exgrpo"}
+    assert [t for t, _, _ in order[::10]] == [*confirm.SETTINGS, "addition", "countdown-paper-lr2.5e-5"]
+    assert all(t in study.TASKS and a in study.ARMS for t, a, _ in order)
+    assert study.ARMS["reuse_limit"].exgrpo["replay_cooldown"] == 9
+
+
+def _git(root, *args):
+    subprocess.run(["git", *args], cwd=root, check=True, capture_output=True)
+
+
+def _repo(tmp_path):
+    root = tmp_path / "repo"
+    root.mkdir()
+    _git(root, "init", "-q")
+    (root / "tracked.txt").write_text("a\n")
+    _git(root, "add", "tracked.txt")
+    _git(root, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "-m", "x")
+    return root
+
+
+def test_a_confirmatory_run_refuses_uncommitted_changes(tmp_path, monkeypatch, capsys):
+    root = _repo(tmp_path)
+    (root / "untracked.json").write_text("{}")  # runs being written are untracked: allowed
+    state = provenance.require_clean(root)
+    assert len(state["commit"]) == 40 and state["dirty"] == []
+    (root / "tracked.txt").write_text("b\n")
+    with pytest.raises(provenance.DirtyTree, match="uncommitted changes to tracked files \\(tracked.txt\\)"):
+        provenance.require_clean(root)
+    with pytest.raises(provenance.DirtyTree, match="not a git checkout"):
+        provenance.require_clean(tmp_path / "elsewhere")
+    # a run refuses before loading anything, and so does the registered study's command (one line, exit 2)
+    monkeypatch.setattr(provenance, "LAB_ROOT", root)
+    task = study.build_tasks(True)["addition"]
+    with pytest.raises(provenance.DirtyTree):
+        study_run.run_one(task, "grpo", 0, None, str(tmp_path / "cache"), str(tmp_path / "w"), confirmatory=True)
+    assert not (tmp_path / "cache").exists()
+    assert study.main(["--confirm", "--results", str(tmp_path / "results")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--confirm: uncommitted changes to tracked files" in err
+    assert study.main(["--confirm", "--quick"]) == 2  # the registered settings are not shrunk
+
+
+def test_one_commit_per_registered_study(tmp_path):
+    results = tmp_path / "confirm"
+    path = results / "addition" / "grpo" / "seed20.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"provenance": {"commit": "a" * 40}}))
+    confirm.check_one_commit(results, "a" * 40)
+    with pytest.raises(ValueError, match=f"runs made by commit {'a' * 40} \\(1, e.g. addition/grpo/seed20.json\\)"):
+        confirm.check_one_commit(results, "b" * 40)
+
+
+# ------------------------------------------------------------------------------------------------ provenance, verify
+def test_provenance_fields_and_verify_on_a_tiny_run(tmp_path, capsys):
+    results, cache = tmp_path / "results", tmp_path / "cache"
+    argv = ["--quick", "--tasks", "addition", "--arms", "exgrpo", "--seeds", "0", "--results", str(results),
+            "--cache-dir", str(cache), "--no-progress", "--jobs", "1"]  # fmt: skip
+    assert study.main(argv) == 0
+    path = results / "addition" / "exgrpo" / "seed0.json"
+    made = json.loads(path.read_text())["provenance"]
+    assert len(made["commit"]) == 40 and isinstance(made["uncommitted_changes"], list)
+    assert made["confirmatory"] is False
+    assert set(made["versions"]) == {"python", "torch", "trl", "transformers", "accelerate", "datasets", "numpy"}
+    for key in ("warm_start_sha256", "train_pool_sha256", "held_out_sha256"):
+        assert len(made[key]) == 64
+    config = made["config"]  # every field, resolved: defaults the run never set included, no machine paths
+    assert config["replay_cooldown"] == 0 and config["replay_ratio"] == 0.5 and config["max_steps"] == 2
+    assert config["max_trajectory_candidates"] is None and "output_dir" not in config and len(config) > 150
+    capsys.readouterr()
+
+    assert study.main(["--verify", str(path), "--cache-dir", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert "its first 2 updates retrained" in out and "verify: every record matches" in out
+    assert "per-update records, updates 1-2: 14 equal" in out  # 7 series x 2 updates
+
+    altered = json.loads(path.read_text())
+    altered["steps"]["batch_pass_at_1"][1] = 0.5
+    bad = tmp_path / "altered.json"
+    bad.write_text(json.dumps(altered))
+    assert study.main(["--verify", str(bad), "--cache-dir", str(cache)]) == 1
+    out = capsys.readouterr().out
+    assert "per-update records, updates 1-2: 1 of 14 DIFFER" in out and "verify: MISMATCH" in out
+    assert "steps.batch_pass_at_1[1] (update 2): saved 0.5, retrained" in out
+
+
+# ------------------------------------------------------------------------------------------------ analysis
+def _runs(setting, finals_by_arm, batches_by_arm=None):
+    """One record per arm and seed: a two-point curve (warm start 0.2 at 0 rollouts, then the final figure at 1000
+    rollouts for GRPO and 950 for the replaying arms)."""
+    out = []
+    for arm, finals in finals_by_arm.items():
+        for seed, final in zip(confirm.SEEDS, finals):
+            rollouts = 1000 if arm == "grpo" else 950
+            record = make_record(setting, arm, seed, [0, 100], [0, rollouts], [0.2, final])
+            record["batches"] = (batches_by_arm or {}).get(arm, [])
+            out.append(record)
+    return out
+
+
+def test_analysis_by_hand(tmp_path):
+    grpo = [0.30, 0.31, 0.32, 0.33, 0.34]
+    limit = [0.31, 0.33, 0.35, 0.37, 0.39]  # + 0.01, 0.02, 0.03, 0.04, 0.05 at equal updates
+    exgrpo = [0.29, 0.30, 0.31, 0.32, 0.33]  # - 0.01 each: no spread
+    batches = {
+        "reuse_limit": [{"reuse": 1.0, "repeat_share": 0.0}, {"reuse": 2.0, "repeat_share": 0.0}],
+        "exgrpo": [{"reuse": 3.0, "repeat_share": 0.5}, {"reuse": None}, {"reuse": 7.0, "repeat_share": 1.0}],
+    }
+    runs = _runs("countdown-hard", {"grpo": grpo, "reuse_limit": limit, "exgrpo": exgrpo}, batches)  # fmt: skip
+    for r in runs:
+        path = tmp_path / r["task"] / r["arm"] / f"seed{r['seed']}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(r))
+    payload, text = confirm.analyse(tmp_path)
+    rows = {(c["arm"], c["base"], c["axis"]): c for c in payload["comparisons"] if c["setting"] == "countdown-hard"}
+
+    updates = rows[("reuse_limit", "grpo", "final_updates")]
+    assert updates["mean"] == pytest.approx(0.03) and updates["p_t"] == pytest.approx(0.013236, abs=1e-6)
+    assert updates["p_sign_flip"] == 2 / 32 and updates["p_noninferior"] == pytest.approx(0.002407, abs=1e-6)
+    # equal rollouts: GRPO read at 950 of its 1000 rollouts, 0.2 + 0.95 (final - 0.2): the differences are
+    # limit - grpo + 0.05 (grpo - 0.2) = 0.01 + 0.005, 0.02 + 0.0055, ... -> mean 0.03 + 0.0060 = 0.0360
+    rollouts = rows[("reuse_limit", "grpo", "final_rollouts")]
+    assert rollouts["mean"] == pytest.approx(0.036) and rollouts["n"] == 5
+    # the primary family has 2 members with data (this one setting): Holm doubles the smaller p
+    assert updates["p_t_holm"] == pytest.approx(max(2 * min(updates["p_t"], rollouts["p_t"]), updates["p_t"]))
+    assert updates["verdict"] == "above" and updates["p_t_holm"] < 0.05
+    # exgrpo - grpo: -0.01 on every seed at equal updates (up to rounding): p about 0; in the secondary family
+    below = rows[("exgrpo", "grpo", "final_updates")]
+    assert below["p_t"] < 1e-6 and below["verdict"] == "below" and below["family"] == "secondary"
+    assert rows[("exgrpo", "grpo", "auc_updates")]["family"] == "descriptive"
+    # concentration: the median over seeds of each run's mean and last reuse (every seed the same here)
+    conc = {c["arm"]: c for c in payload["concentration"]}
+    assert (conc["exgrpo"]["reuse_mean"], conc["exgrpo"]["reuse_end"], conc["exgrpo"]["repeat_share_mean"]) == (
+        5.0, 7.0, 0.75)  # fmt: skip
+    assert (conc["reuse_limit"]["reuse_mean"], conc["reuse_limit"]["reuse_end"]) == (1.5, 2.0) and "grpo" not in conc
+    assert len(payload["missing"]) == 60 - 15 and "Runs in: 15 of 60" in text
+    assert (tmp_path / "analysis.md").read_text() == text
