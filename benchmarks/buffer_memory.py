@@ -48,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from exgrpo_trl.buffer import ExperienceBuffer, Trajectory
 from exgrpo_trl.replay import ReplayPlan, draw_replay_questions, select_lowest
+from exgrpo_trl.settings import ExGRPOSettings
 from exgrpo_trl.state import ARRAYS_FILENAME, load_state, save_state
 
 TARGET_BYTES_PER_TOKEN = 6.0
@@ -106,18 +107,20 @@ def fill(buffer: ExperienceBuffer, num_trajectories: int, length: int, seed: int
 
 
 def plan_fn(buffer: ExperienceBuffer, n: int, broadcast_pickle: bool, max_candidates: int | None):
-    """The main process's share of one replay plan, through the functions `ExGRPORun.make_plan` calls
+    """The main process's share of one replay plan, through the functions `ExGRPORun._plan` calls
     (`exgrpo_trl.replay`): draw n questions and shortlist their candidates, pick one per question, build the plan,
     for a generation batch of 2n groups (rho = 0.5). The entropy forward pass, which runs on the accelerator, is
     replaced by zeros. With `broadcast_pickle` the drawn questions are pickled and unpickled, as torch's
     broadcast_object_list does on the sending and receiving ranks."""
 
+    settings = ExGRPOSettings(max_trajectory_candidates=max_candidates)
+
     def make():
-        drawn = draw_replay_questions(buffer, n, trajectory_selection="lowest_entropy", max_candidates=max_candidates)
+        drawn = draw_replay_questions(buffer, settings, 2 * n, now=0)
         if broadcast_pickle:
             drawn = pickle.loads(pickle.dumps([drawn]))[0]
         chosen = [select_lowest(torch.zeros(len(q.candidates))) for q in drawn]
-        plan = ReplayPlan.build(drawn, chosen, 2 * n)
+        plan = ReplayPlan.build(drawn, chosen, 2 * n, clock=0)
         assert len(plan.keys) == n
         return plan
 
@@ -236,11 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     # ---------------------------------------------------------------- replay plan
     n = args.plan_questions
     sample = buffer.sample_questions
-    sample_ms, sample_max, sample_cpu = timed(lambda: sample(n), args.repeats)
+    sample_ms, sample_max, sample_cpu = timed(lambda: sample(n, now=0), args.repeats)
     cap = args.max_candidates
     plan_ms, plan_max, plan_cpu = timed(plan_fn(buffer, n, False, cap), args.repeats)
     plan_bc_ms, plan_bc_max, plan_bc_cpu = timed(plan_fn(buffer, n, True, cap), args.repeats)
-    drawn = draw_replay_questions(buffer, n, trajectory_selection="lowest_entropy", max_candidates=cap)
+    drawn = draw_replay_questions(buffer, ExGRPOSettings(max_trajectory_candidates=cap), 2 * n, now=0)
     candidates = sum(len(q.candidates) for q in drawn)
     pickled = len(pickle.dumps([drawn]))
     print(

@@ -38,17 +38,17 @@ class RecordingExGRPOTrainer(ExGRPOTrainer):
         self.selections: list[np.ndarray] = []
         self.stored_nll: list[np.ndarray] = []
         self._sampled: list[str] = []
-        sample = self.experience_buffer.sample_questions
+        sample = self.exgrpo_state.buffer.sample_questions
 
-        def recording_sample(n):
-            self._sampled = sample(n)
+        def recording_sample(n, now):
+            self._sampled = sample(n, now)
             return self._sampled
 
-        self.experience_buffer.sample_questions = recording_sample
+        self.exgrpo_state.buffer.sample_questions = recording_sample
 
-    def _exgrpo_score_entropies(self, prompt_ids, completion_ids, masks=None):
-        entropies = super()._exgrpo_score_entropies(prompt_ids, completion_ids, masks).numpy()
-        stored = [self.experience_buffer.questions[k].trajectories for k in self._sampled]
+    def _exgrpo_score_entropies(self, prompt_ids, completion_ids, masks=None, vision=None):
+        entropies = super()._exgrpo_score_entropies(prompt_ids, completion_ids, masks, vision).numpy()
+        stored = [self.exgrpo_state.buffer.questions[k].trajectories for k in self._sampled]
         stored = [t for t in stored if len(t) > 1]  # the plan scores only questions with more than one candidate
         counts = [len(t) for t in stored]
         if sum(counts) != len(entropies):

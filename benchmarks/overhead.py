@@ -42,10 +42,10 @@ from exgrpo_trl.tasks.toy import ALPHABET, SPECIAL_TOKENS, build_char_tokenizer,
 CHAR_VOCAB = len(SPECIAL_TOKENS) + len(ALPHABET)  # the character tokenizer; a grown one adds fillers after it
 # label -> the method timed: the run's steps (`exgrpo_trl.run.ExGRPORun`) and the trainer's entropy scoring
 TIMED = {
-    "plan (sample + broadcast)": "run.make_plan",
+    "plan (sample + broadcast)": "run._plan",
     "entropy scoring": "_exgrpo_score_entropies",
-    "splice": "run.assign_rows",
-    "collection bookkeeping": "run.after_scoring",
+    "splice": "run._rows",
+    "collection bookkeeping": "run.finish",
     "behaviour log-probs": "run.record_behaviour",
     "replay loss term": "run.replay_term",
 }
@@ -65,9 +65,9 @@ class TimedExGRPOTrainer(ExGRPOTrainer):
             name = name.removeprefix("run.")
             setattr(owner, name, self._timed(label, getattr(owner, name)))
 
-    def _exgrpo_score_entropies(self, prompt_ids, completion_ids, masks=None):
+    def _exgrpo_score_entropies(self, prompt_ids, completion_ids, masks=None, vision=None):
         self.scored_rows.append(len(completion_ids))
-        return super()._exgrpo_score_entropies(prompt_ids, completion_ids, masks)
+        return super()._exgrpo_score_entropies(prompt_ids, completion_ids, masks, vision)
 
     def training_step(self, *args, **kwargs):
         if self._step % self.current_gradient_accumulation_steps == 0:
@@ -132,7 +132,7 @@ def make_reward(stop_ids: list[int], marked_ids: set[int]):
 def prefill(trainer: ExGRPOTrainer, dataset: Dataset, reward, args) -> None:
     """Store, for `args.prefill_questions` questions, every distinct successful completion of K samples."""
     model, tokenizer, k = trainer.model, trainer.processing_class, args.num_generations
-    buffer = trainer.experience_buffer
+    buffer = trainer.exgrpo_state.buffer
     device = next(model.parameters()).device
     for start in range(0, args.prefill_questions, 8):
         rows = [dataset[i] for i in range(start, min(start + 8, args.prefill_questions))]
@@ -171,7 +171,7 @@ def prefill(trainer: ExGRPOTrainer, dataset: Dataset, reward, args) -> None:
             ]
             if 0 < successes < k:
                 buffer.update_group(question_key(row["prompt"]), successes, row, trajs)
-    trainer.exgrpo_state["replay_active"] = True
+    trainer.exgrpo_state.replay_active = True
 
 
 def time_generation(trainer) -> list[float]:
@@ -402,7 +402,7 @@ def main(argv=None) -> int:
     )
     ex.model.to(ex.accelerator.device)
     prefill(ex, dataset, reward, args)
-    buffer = ex.experience_buffer
+    buffer = ex.exgrpo_state.buffer
     candidates = [len(e.trajectories) for e in buffer.questions.values()]
     print(
         f"model: {n_params / 1e6:.2f}M params; {args.questions_per_step} questions x K={args.num_generations} per "

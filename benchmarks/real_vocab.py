@@ -120,14 +120,14 @@ def logged(trainer, key: str) -> list[float]:
 
 def count_replays(trainer) -> list[int]:
     """A list that receives the number of replayed groups of each generation batch the trainer plans."""
-    counts, plan = [], trainer.exgrpo_run.make_plan
+    counts, plan = [], trainer.exgrpo_run._plan
 
     def counting(*a, **kw):
         result = plan(*a, **kw)
         counts.append(0 if result is None else len(result.group_indices))
         return result
 
-    trainer.exgrpo_run.make_plan = counting
+    trainer.exgrpo_run._plan = counting
     return counts
 
 
@@ -145,7 +145,7 @@ def train_from_checkpoint(trainer, checkpoint, digest=buffer_digest):
 
     def load_and_look(checkpoint_dir):
         original(checkpoint_dir)
-        loaded["digest"] = digest(trainer.experience_buffer)
+        loaded["digest"] = digest(trainer.exgrpo_state.buffer)
 
     trainer._load_optimizer_and_scheduler = load_and_look
     trainer.train(resume_from_checkpoint=str(checkpoint))
@@ -163,15 +163,15 @@ def check_smoke(args, model_dir, tokenizer, reward, dataset, out: Path) -> dict:
     trainer.train()
     seconds = time.perf_counter() - start
     checkpoint = out / "run" / f"checkpoint-{n * spg}"
-    saved = buffer_digest(trainer.experience_buffer)
+    saved = buffer_digest(trainer.exgrpo_state.buffer)
     lengths = logged(trainer, "completions/mean_length")
     figures = {
         "optimizer_steps": trainer.state.global_step,
         "seconds": round(seconds, 1),
         "replayed_groups_per_generation_batch": replays,
-        "buffer_questions": trainer.experience_buffer.num_questions,
-        "buffer_trajectories": trainer.experience_buffer.num_trajectories,
-        "retired": len(trainer.experience_buffer.retired),
+        "buffer_questions": trainer.exgrpo_state.buffer.num_questions,
+        "buffer_trajectories": trainer.exgrpo_state.buffer.num_trajectories,
+        "retired": len(trainer.exgrpo_state.buffer.retired),
         "mean_completion_length": round(statistics.mean(lengths), 1) if lengths else None,
         "checkpoint_has_buffer": (checkpoint / STATE_DIRNAME).is_dir(),
         "deepspeed_zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage
@@ -190,7 +190,7 @@ def check_smoke(args, model_dir, tokenizer, reward, dataset, out: Path) -> dict:
         resumed_to_step=resumed.state.global_step,
         buffer_restored_exactly=restored == saved,
         replayed_groups_after_resume=replays_after,
-        buffer_trajectories_after_resume=resumed.experience_buffer.num_trajectories,
+        buffer_trajectories_after_resume=resumed.exgrpo_state.buffer.num_trajectories,
     )
     return figures
 
@@ -231,7 +231,7 @@ def check_memory(args, model_dir, tokenizer, reward, dataset, out: Path) -> dict
 
     def scoring():
         model.eval()
-        trainer._exgrpo_mean_entropies(prompts, completions)
+        trainer._exgrpo_score_entropies(prompts, completions)
 
     def training():
         model.train()
@@ -272,7 +272,7 @@ def check_numerics(args, model_dir, tokenizer, reward, dataset, out: Path) -> di
         "logged_is_weight_max": max(logged(trainer, "exgrpo/replay/is_weight_max"), default=None),
     }
     # Every stored trajectory re-scored with TRL's forward, in micro-batches as training would: |log w| per token.
-    buffer, model, device = trainer.experience_buffer, trainer.model, trainer.accelerator.device
+    buffer, model, device = trainer.exgrpo_state.buffer, trainer.model, trainer.accelerator.device
     model.eval()
     pairs = [
         (tokenizer(entry.row["prompt"])["input_ids"], trajectory)

@@ -109,7 +109,7 @@ def watch_replays(trainer, k: int) -> dict:
     is missing or whose key (text and pixels) is not the plan's key for their group."""
     seen = {"replayed_groups": [], "replayed_rows": 0, "rows_without_their_image": 0}
     run = trainer.exgrpo_run
-    assign = run.assign_rows
+    assign = run._rows  # the cycle's own step that gives the rows to replayed questions
 
     def recorded(inputs, plan):
         result = assign(inputs, plan)
@@ -122,7 +122,7 @@ def watch_replays(trainer, k: int) -> dict:
                     seen["rows_without_their_image"] += 1
         return result
 
-    run.assign_rows = recorded
+    run._rows = recorded
     return seen
 
 
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     trainer.train()
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    buffer = trainer.experience_buffer
+    buffer = trainer.exgrpo_state.buffer
     saved = digest(buffer)
     checkpoint = out / "run" / f"checkpoint-{n * spg}"
     figures["train"] = {
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
         **after,
         "resumed_to_step": resumed.state.global_step,
         "buffer_restored_exactly": restored == saved,
-        "buffer_trajectories": resumed.experience_buffer.num_trajectories,
+        "buffer_trajectories": resumed.exgrpo_state.buffer.num_trajectories,
     }
     print(json.dumps(figures), flush=True)
     if args.json:

@@ -6,12 +6,16 @@ import importlib
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["ExGRPOConfig", "ExGRPORun", "ExGRPOTrainer", "ExperienceBuffer", "__version__"]
+__all__ = [
+    "ExGRPOConfig", "ExGRPORun", "ExGRPOSettings", "ExGRPOState", "ExGRPOTrainer", "ExperienceBuffer", "__version__"
+]  # fmt: skip
 
 # Lazy attributes: `import exgrpo_trl.tasks.toy` or the CLI should not pay for importing trl.
 _LAZY = {
     "ExGRPOConfig": "exgrpo_trl.config",
     "ExGRPORun": "exgrpo_trl.run",
+    "ExGRPOSettings": "exgrpo_trl.settings",
+    "ExGRPOState": "exgrpo_trl.experience",
     "ExGRPOTrainer": "exgrpo_trl.trainer",
     "ExperienceBuffer": "exgrpo_trl.buffer",
 }
@@ -19,7 +23,9 @@ _LAZY = {
 if TYPE_CHECKING:
     from .buffer import ExperienceBuffer
     from .config import ExGRPOConfig
+    from .experience import ExGRPOState
     from .run import ExGRPORun
+    from .settings import ExGRPOSettings
     from .trainer import ExGRPOTrainer
 
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from .settings import ExGRPOSettings, sampling_settings
+
 # Token ids as int32 and behaviour log-probs as float16: 6 bytes per stored token. float16 keeps a log-prob to
 # about 3 significant digits (|error| <= 5e-4 * |logp|), i.e. an importance weight to 0.05% for a token of
 # log-prob -1, far below the step-to-step drift the weight measures.
@@ -25,14 +27,13 @@ LOGPS_DTYPE = np.float16
 # Which tokens of a multi-turn completion the model produced (1) and which a tool or an environment inserted (0):
 # one byte per token, kept only for trajectories that hold external tokens (None: every token is the model's).
 MASK_DTYPE = np.uint8
-# The buffer's settings that a resumed run takes from its own config (`ExperienceBuffer.restore`).
-SAMPLING_SETTINGS = ("mu", "sigma", "question_selection", "cooldown")
-# What a state saved before a setting existed had (the setting's value then): states without a reuse limit.
-SETTING_DEFAULTS = {"cooldown": 0}
-# The concentration of replay (`ExperienceBuffer.reuse`) is read over this many draws (generation batches that
-# replay): long enough that a reuse limit of N < 49 still leaves room for a question to come back (at most
-# ceil(50 / (N + 1)) times), so the figure means the same with or without a limit.
+# The concentration of replay (`ExperienceBuffer.reuse`) is read over this many generation batches: long enough that
+# a reuse limit of N < 49 still leaves room for a question to come back (at most ceil(50 / (N + 1)) times), so the
+# figure means the same with or without a limit.
 REUSE_WINDOW = 50
+# What the buffer's clock counts (saved with the state; states without it counted draws and stamped trajectories with
+# the optimizer step: `restore` converts them).
+CLOCK = "generation_batches"
 
 
 def image_digest(image: Any) -> str:
@@ -126,7 +127,7 @@ def shortlist_indices(stored_nll: Sequence[float], m: int | None, highest: bool 
 
 
 def shortlist_candidates(trajectories: Sequence[Trajectory], m: int | None, highest: bool = False) -> list[Trajectory]:
-    """The `m` stored trajectories to score for selection (`ExGRPOConfig.max_trajectory_candidates`), in stored order.
+    """The `m` stored trajectories to score for selection (the settings' cap on candidates), in stored order.
 
     A trajectory's stored negative log-likelihood, the mean of -logp over its tokens under the policy that sampled
     it, estimates its per-token entropy at collection time and costs no forward pass. The shortlist is the `m`
@@ -151,7 +152,7 @@ class Trajectory:
 
     completion_ids: np.ndarray  # (L,) int32, ends with EOS
     logps: np.ndarray  # (L,) float16, log-probs under the policy that generated it (before its update)
-    step: int  # global step at which it was collected
+    collected_at: int  # the generation batch it was collected in (the run's clock)
     mask: np.ndarray | None = None  # (L,) uint8, 1 for the model's tokens; None: all of them (normalised so)
     record: dict[str, Any] | None = None
 
@@ -195,39 +196,25 @@ class ExperienceBuffer:
       leaves an existing entry as it is, 1..K-1 sets the bucket and adds the new, de-duplicated trajectories.
     - `sample_questions` draws questions for replay: a Gaussian over non-empty buckets (or uniform over questions),
       per-bucket counts from a capped multinomial, uniform without replacement within a bucket. With a reuse limit
-      (`cooldown` N > 0) a question replayed in one draw sits out the next N draws: only eligible questions are
-      drawn, and a draw may return fewer than asked for (algorithm §5a). `mark_replayed` closes a draw.
+      (`replay_cooldown` N > 0) a question replayed in one generation batch sits out the next N: only eligible
+      questions are drawn, and a draw may return fewer than asked for (algorithm §5a). `mark_replayed` closes a draw.
+    - Time is the run's clock, in generation batches, handed in by the caller (`now`): the reuse limit, the repeat
+      flags and `reuse` count in it, and trajectories are stamped with it (`Trajectory.collected_at`).
     - All randomness comes from the buffer's own seeded generator, never the global torch / numpy / python ones.
+
+    `settings`: the run's `ExGRPOSettings` (the sampling ones are read: `settings.sampling_settings`); the paper's
+    defaults when None.
     """
 
-    def __init__(
-        self,
-        num_generations: int,
-        *,
-        mu: float = 0.5,
-        sigma: float = 1.0,
-        question_selection: str = "gaussian",
-        seed: int = 0,
-        cooldown: int = 0,
-    ):
+    def __init__(self, num_generations: int, settings: ExGRPOSettings | None = None, *, seed: int = 0):
         if num_generations < 2:
             raise ValueError(f"num_generations must be >= 2, got {num_generations}")
-        if question_selection not in ("gaussian", "uniform"):
-            raise ValueError(f"question_selection must be 'gaussian' or 'uniform', got {question_selection!r}")
-        if sigma <= 0:
-            raise ValueError(f"sigma must be > 0, got {sigma}")
-        if isinstance(cooldown, bool) or not isinstance(cooldown, int) or cooldown < 0:
-            raise ValueError(f"cooldown must be an integer >= 0 (generation batches), got {cooldown!r}")
         self.num_generations = num_generations
-        self.mu = mu
-        self.sigma = sigma
-        self.question_selection = question_selection
+        self.settings = ExGRPOSettings() if settings is None else settings
         self.seed = seed
-        self.cooldown = cooldown
-        self.draws = 0  # replay draws closed so far (`mark_replayed`): one per generation batch once replay is on
-        self.replayed_at: dict[str, int] = {}  # question -> the draw it was last replayed in (buffer questions only)
-        # the questions of each of the last REUSE_WINDOW draws (retired ones included): what `reuse` reads
-        self.recent_draws: collections.deque[list[str]] = collections.deque(maxlen=REUSE_WINDOW)
+        self.replayed_at: dict[str, int] = {}  # question -> the generation batch it was last replayed in
+        # (generation batch, the questions replayed in it) of the last REUSE_WINDOW batches: what `reuse` reads
+        self.recent: collections.deque[tuple[int, list[str]]] = collections.deque()
         self.rng = np.random.Generator(np.random.PCG64(seed))
         self.questions: dict[str, QuestionEntry] = {}  # insertion-ordered: sampling is reproducible
         self.retired: set[str] = set()
@@ -304,30 +291,34 @@ class ExperienceBuffer:
     # ------------------------------------------------------------------ sampling
     def bucket_probabilities(self) -> dict[int, float]:
         counts = self.bucket_counts()
+        s = self.settings
         return gaussian_bucket_probabilities(
-            [k for k, c in counts.items() if c > 0], self.num_generations, self.mu, self.sigma
+            [k for k, c in counts.items() if c > 0], self.num_generations, s.replay_mu, s.replay_sigma
         )
 
-    def eligible(self, key: str) -> bool:
-        """Whether `key` may be drawn in the current draw: always without a reuse limit; with one, unless it was
-        replayed in one of the last `cooldown` draws (replayed in draw d, it sits out draws d+1 .. d+cooldown)."""
-        last = self.replayed_at.get(key)
-        return self.cooldown == 0 or last is None or self.draws - last > self.cooldown
+    def eligible(self, key: str, now: int) -> bool:
+        """Whether `key` may be drawn in generation batch `now`: always without a reuse limit; with one of N, unless
+        it was replayed in one of the last N batches (replayed in batch b, it sits out batches b+1 .. b+N)."""
+        last, limit = self.replayed_at.get(key), self.settings.replay_cooldown
+        return limit == 0 or last is None or now - last > limit
 
-    def sample_questions(self, n: int) -> list[str]:
-        """Draw `n` distinct questions for replay (fewer if the buffer holds fewer eligible ones: `eligible`)."""
+    def sample_questions(self, n: int, now: int) -> list[str]:
+        """Draw `n` distinct questions for replay in generation batch `now` (fewer if the buffer holds fewer eligible
+        ones: `eligible`)."""
         # without a reuse limit every question is eligible: the paper's draw, number for number
-        members_of = {b: [q for q in m if self.eligible(q)] for b, m in self._buckets.items()}
+        members_of = {b: [q for q in m if self.eligible(q, now)] for b, m in self._buckets.items()}
         n = min(int(n), sum(len(m) for m in members_of.values()))
         if n <= 0:
             return []
-        if self.question_selection == "uniform":
-            keys = [q for q in self.questions if self.eligible(q)]
+        if self.settings.question_selection == "uniform":
+            keys = [q for q in self.questions if self.eligible(q, now)]
             picked = self.rng.choice(len(keys), size=n, replace=False)
             return [keys[i] for i in picked]
 
         buckets = [b for b, members in members_of.items() if members]
-        probs = gaussian_bucket_probabilities(buckets, self.num_generations, self.mu, self.sigma)
+        probs = gaussian_bucket_probabilities(
+            buckets, self.num_generations, self.settings.replay_mu, self.settings.replay_sigma
+        )
         p = np.array([probs[b] for b in buckets], dtype=np.float64)
         sizes = np.array([len(members_of[b]) for b in buckets], dtype=np.int64)
         counts = _capped_multinomial(self.rng, n, p, sizes)
@@ -338,23 +329,25 @@ class ExperienceBuffer:
                 sampled += [members[i] for i in self.rng.choice(len(members), size=int(count), replace=False)]
         return sampled
 
-    def mark_replayed(self, keys: Sequence[str]) -> list[bool]:
-        """Close a draw: `keys` were replayed in it. Returns, per key, whether it was also replayed in the draw
-        before (the repeat share's numerator); the next draw's reuse limit counts from here."""
-        repeats = [self.replayed_at.get(key) == self.draws - 1 for key in keys]
+    def mark_replayed(self, keys: Sequence[str], now: int) -> list[bool]:
+        """Close generation batch `now`'s draw: `keys` were replayed in it. Returns, per key, whether it was also
+        replayed in the batch before (the repeat share's numerator); the reuse limit counts from here."""
+        repeats = [self.replayed_at.get(key) == now - 1 for key in keys]
         for key in keys:
             if key in self.questions:
-                self.replayed_at[key] = self.draws
-        self.draws += 1
-        self.recent_draws.append(list(keys))
+                self.replayed_at[key] = now
+        self.recent.append((now, list(keys)))
+        while self.recent and now - self.recent[0][0] >= REUSE_WINDOW:
+            self.recent.popleft()
         return repeats
 
     def reuse(self) -> float | None:
-        """Replays per distinct replayed question over the last `REUSE_WINDOW` draws: 1.0 when no question came back,
-        up to the window's length when the same questions are drawn every time (None: nothing replayed in it). A reuse
-        limit of N caps it at ceil(draws / (N + 1)); unlike the repeat share it is not 0 by construction then."""
-        replays = sum(len(keys) for keys in self.recent_draws)
-        distinct = len({key for keys in self.recent_draws for key in keys})
+        """Replays per distinct replayed question over the last `REUSE_WINDOW` generation batches: 1.0 when no question
+        came back, up to the window's length when the same questions are drawn every batch (None: nothing replayed in
+        it). A reuse limit of N caps it at ceil(REUSE_WINDOW / (N + 1)); unlike the repeat share it is not 0 by
+        construction then."""
+        replays = sum(len(keys) for _, keys in self.recent)
+        distinct = len({key for _, keys in self.recent for key in keys})
         return replays / distinct if distinct else None
 
     def choose_random(self, n: int) -> int:
@@ -363,14 +356,9 @@ class ExperienceBuffer:
 
     # ------------------------------------------------------------------ state
     def config_dict(self) -> dict[str, Any]:
-        return {
-            "num_generations": self.num_generations,
-            "mu": self.mu,
-            "sigma": self.sigma,
-            "question_selection": self.question_selection,
-            "seed": self.seed,
-            "cooldown": self.cooldown,
-        }
+        """K, the seed and the sampling settings, under the keys the saved state keeps them (`sampling_settings`)."""
+        sampling = {key: getattr(self.settings, name) for name, (key, _) in sampling_settings().items()}
+        return {"num_generations": self.num_generations, **sampling, "seed": self.seed}
 
     def iter_trajectories(self) -> Iterator[Trajectory]:
         """Every stored trajectory in saved order: questions in buffer order, trajectories in stored order."""
@@ -399,10 +387,11 @@ class ExperienceBuffer:
                 for key, e in self.questions.items()
             ],
             "retired": sorted(self.retired),
-            # the reuse limit's clock (`mark_replayed`), kept with or without a limit: the repeat share reads it
-            "draws": self.draws,
+            # when questions were replayed, in generation batches (`mark_replayed`), kept with or without a reuse
+            # limit: the repeat share and `reuse` read them
+            "clock": CLOCK,
             "replayed_at": dict(self.replayed_at),
-            "recent_draws": [list(keys) for keys in self.recent_draws],
+            "recent": [[at, list(keys)] for at, keys in self.recent],
         }
 
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
@@ -418,7 +407,7 @@ class ExperienceBuffer:
             "completion_ids": _concat([t.completion_ids for t in trajectories], IDS_DTYPE),
             "logps": _concat([t.logps for t in trajectories], LOGPS_DTYPE),
             "lengths": np.array([t.completion_ids.size for t in trajectories], dtype=np.int64),
-            "steps": np.array([t.step for t in trajectories], dtype=np.int64),
+            "steps": np.array([t.collected_at for t in trajectories], dtype=np.int64),
         }
         if any(t.mask is not None for t in trajectories):
             arrays["model_mask"] = _concat([t.model_mask() for t in trajectories], MASK_DTYPE)
@@ -429,8 +418,11 @@ class ExperienceBuffer:
         """Whether some stored trajectory holds tool or environment tokens, or a record (state format 2)."""
         return any(t.mask is not None or t.record is not None for t in self.iter_trajectories())
 
-    def load_state_dict(self, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
-        """Restore what `state_dict` produced. Raises ValueError if the arrays and metadata do not fit together."""
+    def load_state_dict(
+        self, arrays: dict[str, np.ndarray], meta: dict[str, Any], *, clock: int | None = None, updates_per_batch=None
+    ) -> None:
+        """Restore what `state_dict` produced. Raises ValueError if the arrays and metadata do not fit together.
+        `clock`, `updates_per_batch`: for states written before the clock counted generation batches (`restore`)."""
         self._check_config(meta)
         lengths, steps = arrays["lengths"], arrays["steps"]
         ids, logps = arrays["completion_ids"], arrays["logps"]
@@ -459,15 +451,27 @@ class ExperienceBuffer:
             )
             for t in range(lengths.size)
         ]
-        self.restore(meta, trajectories)
+        self.restore(meta, trajectories, clock=clock, updates_per_batch=updates_per_batch)
 
-    def restore(self, meta: dict[str, Any], trajectories: Sequence[Trajectory]) -> None:
+    def restore(
+        self,
+        meta: dict[str, Any],
+        trajectories: Sequence[Trajectory],
+        *,
+        clock: int | None = None,
+        updates_per_batch: float | None = None,
+    ) -> None:
         """Replace the buffer's content with `meta` (as `state_meta` returns it) and the trajectories in saved order.
         The buffer takes the trajectories as they are (no copy). Raises ValueError if they do not fit together.
 
-        Restored: questions, buckets, trajectories, the retired set and the generator's state (and the seed it came
-        from). Kept: the sampling settings the buffer was built with (mu, sigma, question_selection), i.e. a resumed
-        run's config, not the saved one; `config_changes` lists where the two differ."""
+        Restored: questions, buckets, trajectories, the retired set, when questions were replayed, and the generator's
+        state (and the seed it came from). Kept: the sampling settings the buffer was built with, i.e. a resumed run's
+        config, not the saved one; `config_changes` lists where the two differ.
+
+        A state written before the clock counted generation batches (no "clock") counted replay draws (one per
+        generation batch once replay was on) and stamped trajectories with the optimizer step: its draws are moved
+        onto `clock` (the generation batches the run had made when it was saved; None: left as they are) and its
+        stamps divided by `updates_per_batch` (optimizer updates per generation batch; None: left as they are)."""
         self._check_config(meta)
         counts = [q["num_trajectories"] for q in meta["questions"]]
         if sum(counts) != len(trajectories):
@@ -499,18 +503,30 @@ class ExperienceBuffer:
             self._buckets[q["k"]][q["key"]] = None
         self.retired.clear()
         self.retired.update(meta["retired"])
-        self.draws = int(meta.get("draws", 0))  # states written before the reuse limit had none
-        self.replayed_at = {key: int(d) for key, d in meta.get("replayed_at", {}).items()}
-        self.recent_draws.clear()  # states written before the concentration figure had none: it restarts
-        self.recent_draws.extend(list(keys) for keys in meta.get("recent_draws", []))
+        replayed_at = {key: int(d) for key, d in meta.get("replayed_at", {}).items()}
+        if meta.get("clock") == CLOCK:
+            recent = [(int(at), list(keys)) for at, keys in meta.get("recent", [])]
+        else:  # draws (states before the reuse limit had none), and the last draws' questions (before `reuse`, none)
+            draws = int(meta.get("draws", 0))
+            shift = 0 if clock is None else clock - draws
+            replayed_at = {key: d + shift for key, d in replayed_at.items()}
+            old = meta.get("recent_draws", [])
+            recent = [(draws - len(old) + i + shift, list(keys)) for i, keys in enumerate(old)]
+            if updates_per_batch:
+                for trajectory in trajectories:
+                    trajectory.collected_at = int(trajectory.collected_at // updates_per_batch)
+        self.replayed_at = replayed_at
+        self.recent = collections.deque(recent)
 
     def config_changes(self, saved_config: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-        """The sampling settings that differ between a saved state's config and this buffer: name -> (saved, now)."""
-        return {
-            name: (saved_config.get(name, SETTING_DEFAULTS.get(name)), getattr(self, name))
-            for name in SAMPLING_SETTINGS
-            if saved_config.get(name, SETTING_DEFAULTS.get(name)) != getattr(self, name)
-        }
+        """The sampling settings that differ between a saved state's config and this buffer's: option name -> (saved,
+        now). A setting a state was saved without had its default then."""
+        changes = {}
+        for name, (key, default) in sampling_settings().items():
+            saved, now = saved_config.get(key, default), getattr(self.settings, name)
+            if saved != now:
+                changes[name] = (saved, now)
+        return changes
 
     def _check_config(self, meta: dict[str, Any]) -> None:
         saved = meta["config"]["num_generations"]

@@ -4,33 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from .settings import card_rows
+
 SECTION_TITLE = "## ExGRPO training"
 
 
-def exgrpo_card_section(args: Any, buffer: Any, global_step: int, replay_active: bool) -> str:
-    """Markdown for the model card: how ExGRPO was configured and what its buffer held when the card was written."""
-    delayed = args.replay_start_pass_rate
+def exgrpo_card_section(args: Any, state: Any, global_step: int) -> str:
+    """Markdown for the model card: how ExGRPO was configured (its settings' values, `settings.card_rows`, and the
+    main GRPO ones) and what its buffer held when the card was written. `state`: the run's `ExGRPOState`."""
     rows = [
-        ("replay ratio (rho)", args.replay_ratio),
-        (
-            "policy shaping gamma",
-            "none (plain importance ratio)" if args.policy_shaping_gamma is None else args.policy_shaping_gamma,
-        ),
-        ("delayed start (batch Pass@1 >)", delayed if delayed else "off (replay from the first step)"),
+        *card_rows(args),
         ("rollouts per question (K)", args.num_generations),
-        ("question selection", f"{args.question_selection} (mu {args.replay_mu}, sigma {args.replay_sigma})"),
-        ("trajectory selection", _trajectory_selection(args)),
-        ("importance correction", args.replay_importance_correction),
-        (
-            "offline guidance",
-            f"column {column!r}, {getattr(args, 'offline_guidance', 'all_groups')} (LUFFY's mixed groups)"
-            if (column := getattr(args, "offline_solutions_column", None))
-            else "off",
-        ),
         ("loss type", args.loss_type),
         ("learning rate", args.learning_rate),
         ("optimizer steps", global_step),
     ]
+    buffer = state.buffer
     lines = [
         SECTION_TITLE,
         "",
@@ -43,19 +32,10 @@ def exgrpo_card_section(args: Any, buffer: Any, global_step: int, replay_active:
         "",
         f"Experience buffer at the end of training: {buffer.num_questions} questions, "
         f"{buffer.num_trajectories} trajectories, {len(buffer.retired)} retired questions "
-        f"(replay {'active' if replay_active else 'not started'}).",
+        f"(replay {'active' if state.replay_active else 'not started'}).",
         "",
     ]
     return "\n".join(lines)
-
-
-def _trajectory_selection(args: Any) -> str:
-    m = getattr(args, "max_trajectory_candidates", None)
-    if args.trajectory_selection == "random":
-        return "random"
-    if m is None:
-        return f"{args.trajectory_selection} (every stored trajectory scored)"
-    return f"{args.trajectory_selection} (of a shortlist of {m} by stored log-likelihood)"
 
 
 def add_section(card_text: str, section: str) -> str:

@@ -236,13 +236,15 @@ def restore_state(
     num_generations: int,
     is_main_process: bool,
     warn: Callable[[str], None],
+    updates_per_batch: float | None = None,
 ) -> dict[str, Any] | None:
-    """Restore the experience buffer saved in `checkpoint` into `buffer`, and return ExGRPO's saved switches and
-    sampler state (None, after a warning, when the checkpoint holds no ExGRPO state: plain GRPO's).
+    """Restore the experience buffer saved in `checkpoint` into `buffer`, and return ExGRPO's saved trainer state
+    (None, after a warning, when the checkpoint holds no ExGRPO state: plain GRPO's).
 
     A buffer saved with another `num_generations` cannot carry over (its success buckets and retirement depend on K):
-    ValueError. Other sampling settings may differ: the run's config wins, with a warning (main process). Only the
-    main process loads the trajectories; the others need the retired set (for the sampler)."""
+    ValueError. Other sampling settings may differ: the run's config wins, with a warning naming them (main process).
+    Only the main process loads the trajectories; the others need the retired set (for the sampler).
+    `updates_per_batch`: see `state.load_state`."""
     if not has_state(checkpoint):
         warn(
             f"ExGRPO: {checkpoint} holds no ExGRPO state (a plain GRPO checkpoint?): training resumes with an "
@@ -259,13 +261,14 @@ def restore_state(
         )
     changes = buffer.config_changes(meta["buffer"]["config"])
     if changes and is_main_process:
-        names = {"mu": "replay_mu", "sigma": "replay_sigma"}
-        what = ", ".join(f"{names.get(n, n)} {old!r} -> {new!r}" for n, (old, new) in changes.items())
+        what = ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in changes.items())
         warn(
             f"ExGRPO: {checkpoint} was saved with other replay settings; this run's config is used ({what}). "
             "The buffer's questions, trajectories and random state are restored as saved."
         )
-    return load_state(checkpoint, buffer, with_trajectories=is_main_process, meta=meta)
+    return load_state(
+        checkpoint, buffer, with_trajectories=is_main_process, meta=meta, updates_per_batch=updates_per_batch
+    )
 
 
 # ------------------------------------------------------------------------------------------------ resolution

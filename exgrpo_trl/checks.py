@@ -12,8 +12,9 @@ from trl import GRPOConfig
 
 from .buffer import has_images
 from .config import ExGRPOConfig
-from .loss import PPO_CLIPPED_LOSS_TYPES, SUPPORTED_LOSS_TYPES
-from .replay import replay_count
+from .loss import SUPPORTED_LOSS_TYPES
+from .offline import check_offline_arguments
+from .replay import replay_never_fires
 
 ENVIRONMENT_OWNED_DATA = (
     "ExGRPOTrainer needs a train_dataset with a 'prompt' column when environment_factory is given: without one the "
@@ -29,27 +30,6 @@ IMAGE_VLLM = (
     "vLLM's vision-language models, which need torchvision): generate with transformers (use_vllm=False), or train "
     "with GRPOTrainer."
 )
-
-
-def replay_never_fires(cfg: ExGRPOConfig) -> str | None:
-    """A warning when the generation batch is too small for `replay_ratio` to replay a single group, else None.
-
-    With TRL's default batch shape (8 rows, K = 8: one question per generation batch) n_exp = floor(rho * 1) = 0 at
-    every step: nothing is ever replayed, and ExGRPOTrainer trains GRPO with retirement."""
-    if not cfg.replays:
-        return None
-    groups = cfg.generation_batch_size // cfg.num_generations  # questions per generation batch, all ranks together
-    if replay_count(groups, cfg.replay_ratio, groups) > 0:
-        return None
-    needed = math.ceil(1.0 / cfg.replay_ratio - 1e-9)
-    return (
-        f"ExGRPO: replay_ratio={cfg.replay_ratio:g} will never replay anything: a generation batch of "
-        f"{cfg.generation_batch_size} rows holds {groups} question(s) of num_generations={cfg.num_generations} "
-        f"rollouts, and floor({cfg.replay_ratio:g} x {groups}) = 0 of them come from the buffer. Give a generation "
-        f"batch at least {needed} questions (generation_batch_size >= {needed * cfg.num_generations}, or more "
-        "steps_per_generation, gradient_accumulation_steps or per_device_train_batch_size), or raise replay_ratio; "
-        "replay_ratio=0 trains GRPO."
-    )
 
 
 def ends_generation_batch(cfg: GRPOConfig, step: int) -> bool:
@@ -112,28 +92,6 @@ def require_loggers(report_to) -> None:
             raise ImportError(f"report_to: {name} needs {module}, which is not installed: pip install {module}")
 
 
-def check_offline_arguments(params: dict[str, Any]) -> None:
-    """Offline guidance (`offline_solutions_column`) needs that column in the train_dataset, and single-turn rollouts:
-    an offline solution has no tool calls, environment steps or rollout-function fields to carry."""
-    column = getattr(params["args"], "offline_solutions_column", None)
-    if column is None:
-        return
-    for name in ("tools", "environment_factory", "rollout_func"):
-        if params.get(name):
-            raise ValueError(
-                f"offline_solutions_column cannot be used with {name}: an offline solution is single-turn text, "
-                "with no tool calls, environment steps or rollout fields to replay"
-            )
-    dataset = params.get("train_dataset")
-    columns = getattr(dataset, "column_names", None)
-    if dataset is None or (columns is not None and column not in columns):
-        have = ", ".join(columns or []) or "no train_dataset"
-        raise ValueError(
-            f"offline_solutions_column {column!r} is not a column of the train_dataset ({have}); `exgrpo train` keeps "
-            "it by itself, a dataset of your own must hold it"
-        )
-
-
 def check_chat_template(params: dict[str, Any]) -> None:
     """Chat-message prompts need a chat template: without one GRPOTrainer fails at the first step with transformers'
     "Cannot use chat template functions" after the model has loaded. Checked on the first training row of a dataset
@@ -169,8 +127,8 @@ def check_arguments(params: dict[str, Any]) -> None:
     elif not isinstance(config, ExGRPOConfig):
         kind = "a GRPOConfig" if isinstance(config, GRPOConfig) else type(config).__name__
         hint = (
-            "Convert it with `ExGRPOConfig.from_grpo_config(cfg, replay_ratio=0.5, ...)` (same GRPO settings and "
-            "batch sizes, ExGRPO's fields as keywords)"
+            "Convert it with `ExGRPOConfig.from_grpo_config(cfg, **exgrpo_settings)` (same GRPO settings and batch "
+            "sizes, ExGRPO's fields as keywords)"
             if isinstance(config, GRPOConfig)
             else "Build one with `ExGRPOConfig(output_dir=..., ...)`"
         )
@@ -198,9 +156,4 @@ def check_built(cfg: ExGRPOConfig, loss_type: str) -> list[str]:
     the warnings to log for settings that train but not as expected."""
     if loss_type not in SUPPORTED_LOSS_TYPES:
         raise ValueError(f"ExGRPOTrainer supports loss_type in {SUPPORTED_LOSS_TYPES}, got {loss_type!r}")
-    if cfg.remove_clip_after_replay_start and loss_type not in PPO_CLIPPED_LOSS_TYPES:
-        raise ValueError(
-            f"remove_clip_after_replay_start removes the PPO clip of loss_type in {PPO_CLIPPED_LOSS_TYPES}; "
-            f"loss_type {loss_type!r} has none to remove."
-        )
     return [w for w in (replay_never_fires(cfg), save_steps_inside_generation_batches(cfg)) if w is not None]

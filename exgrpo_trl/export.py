@@ -11,7 +11,7 @@ buffer order and each question's trajectories in stored order:
     completion_ids   its token ids (int32), EOS included
     behaviour_logps  the behaviour policy's log-prob of each token: the stored float16 values, as float32 (exact)
     num_tokens       len(completion_ids)
-    collected_at     the global step it was collected at
+    collected_at     the generation batch it was collected in (earlier versions: the optimizer step)
     k                the question's latest success count, out of num_generations
     source           "on_policy", or "offline" when every behaviour log-prob is exactly 0 (probability 1)
     mask, record     multi-turn buffers only: the model mask (1 where the model produced the token; None: every
@@ -149,7 +149,7 @@ def buffer_dataset(buffer: ExperienceBuffer, tokenizer, *, progress: bool = True
                 "completion_ids": [t.completion_ids for _, _, t in chunk],
                 "behaviour_logps": [t.logps.astype(np.float32) for _, _, t in chunk],
                 "num_tokens": [int(t.completion_ids.size) for _, _, t in chunk],
-                "collected_at": [int(t.step) for _, _, t in chunk],
+                "collected_at": [int(t.collected_at) for _, _, t in chunk],
                 "k": [entry.k for _, entry, _ in chunk],
                 "source": ["offline" if is_offline(t) else "on_policy" for _, _, t in chunk],
             }

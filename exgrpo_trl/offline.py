@@ -29,8 +29,7 @@ from typing import Any
 import torch
 
 from .buffer import row_key
-
-OFFLINE_GUIDANCE = ("all_groups", "unsolved")
+from .settings import ExGRPOSettings
 
 
 def offline_texts(value: Any, column: str = "offline solutions") -> list[str]:
@@ -93,45 +92,35 @@ class OfflineGuide:
     active = True  # `NoOfflineGuide` is the guide of a run without offline guidance
     last_rows = 0  # offline rows (every rank's) in the last training generation batch: never generated
 
-    def add_rows(self, rows, plan, *, process_index: int, k: int, retired: set[str] | frozenset = frozenset()) -> None:
-        """Give each fresh group's first row held here its question's solution (`offline_rows`), spliced in place of
-        a generated completion as a replayed group's stored trajectory is. `rows`: this rank's `RowAssignment`."""
-        chosen = offline_rows(
-            rows.inputs,
-            self,
-            [row_key(x) for x in rows.inputs],
-            replayed_groups=plan.group_indices if plan is not None else (),
-            process_index=process_index,
-            k=k,
-            retired=retired,
+    def rows_for(
+        self, inputs, replayed_groups, *, process_index: int, k: int, retired: set[str] | frozenset = frozenset()
+    ) -> dict[int, tuple[OfflineRow, list[int]]]:
+        """The rows of this rank's `inputs` (its share of the generation batch) that get an offline solution: each
+        fresh group's first row held here, when its question has one (`offline_rows`): local row -> (OfflineRow,
+        token ids), spliced in place of a generated completion as a replayed group's stored trajectory is."""
+        keys = [row_key(x) for x in inputs]
+        return offline_rows(
+            inputs, self, keys, replayed_groups=replayed_groups, process_index=process_index, k=k, retired=retired
         )
-        for local, (row, ids) in chosen.items():
-            rows.splice[local] = ids
-            rows.offline[local] = row
 
-    def judge(
-        self, rows, outcome, advantages: torch.Tensor, gather_objects: Callable[[list], list]
-    ) -> dict[str, float]:
+    def judge(self, offline: dict[int, OfflineRow], outcome, gather_objects: Callable[[list], list]) -> Judgement:
         """After the reward functions have scored the batch: every rank learns every offline row's verdict (one
-        collective, `gather_objects`), a solution scored unsolved is rejected for good and its row gets advantage 0
-        (no gradient; it leaves the replayed-token term), and the batch's Pass@1 (the delayed start's) counts generated
-        rows only. `rows`: this rank's `RowAssignment`; `outcome`: the batch's `BatchOutcome`. Returns the batch's
-        figures."""
+        collective, `gather_objects`) and a solution scored unsolved is rejected for good (the guide's own state).
+        Returns what follows for the batch (`Judgement`): this rank's rows scored unsolved (advantage 0: no gradient;
+        they leave the replayed-token term), the batch's Pass@1 over its generated rows (the delayed start's), and
+        its metrics. `offline`: this rank's offline rows (local row -> OfflineRow); `outcome`: the `BatchOutcome`."""
         solved = outcome.solved.tolist()  # one copy to the host, not one per row
-        local_rows = [(row.key, row.index, row.global_row) for row in rows.offline.values()]
+        local_rows = [(row.key, row.index, row.global_row) for row in offline.values()]
         everything = [row for rank_rows in gather_objects([local_rows]) for row in rank_rows]
         verdicts = offline_verdicts(everything, solved)
         self.rejected.update(verdicts.unsolved)
         self.last_rows = len(everything)
-        for local, row in list(rows.offline.items()):
-            if not solved[row.global_row]:
-                advantages[local] = 0.0
-                del rows.offline[local]
-        outcome.pass_at_1 = verdicts.pass_at_1
-        return {
+        metrics = {
             "offline/groups": len(everything) / max(1, len(outcome.successes)),
             "offline/unsolved": len(verdicts.unsolved),
         }
+        unsolved = {local for local, row in offline.items() if not solved[row.global_row]}
+        return Judgement(unsolved, verdicts.pass_at_1, metrics)
 
     def gauges(self) -> dict[str, float]:
         """Counts logged as their value, never a window mean."""
@@ -159,11 +148,11 @@ class NoOfflineGuide:
     last_rows = 0
     too_long: frozenset = frozenset()
 
-    def add_rows(self, rows, plan, **_) -> None:
-        pass
-
-    def judge(self, rows, outcome, advantages, gather_objects) -> dict[str, float]:
+    def rows_for(self, inputs, replayed_groups, **_) -> dict:
         return {}
+
+    def judge(self, offline, outcome, gather_objects) -> Judgement:
+        return Judgement(set(), outcome.pass_at_1, {})
 
     def gauges(self) -> dict[str, float]:
         return {}
@@ -176,6 +165,52 @@ class NoOfflineGuide:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+
+@dataclass
+class Judgement:
+    """What the reward functions' scores of one batch's offline rows mean for the batch (`OfflineGuide.judge`)."""
+
+    unsolved: set[int]  # this rank's local rows whose solution was scored unsolved: advantage 0, out of the term
+    pass_at_1: float  # the batch's Pass@1 over its generated rows (every row's without offline guidance)
+    metrics: dict[str, float]
+
+
+def make_offline_guide(
+    settings: ExGRPOSettings, max_length: int, tokenize: Callable[[str], list[int]]
+) -> OfflineGuide | NoOfflineGuide:
+    """The run's guide: reference solutions from the settings' column (`OfflineGuide`), or none when it is unset."""
+    if settings.offline_solutions_column is None:
+        return NoOfflineGuide()
+    return OfflineGuide(settings.offline_solutions_column, settings.offline_guidance, max_length, tokenize)
+
+
+def offline_columns(settings: ExGRPOSettings) -> list[str]:
+    """The dataset columns offline guidance reads from the training rows ([] when it is off)."""
+    return [] if settings.offline_solutions_column is None else [settings.offline_solutions_column]
+
+
+def check_offline_arguments(params: dict[str, Any]) -> None:
+    """Offline guidance needs its column in the train_dataset, and single-turn rollouts: an offline solution has no
+    tool calls, environment steps or rollout-function fields to carry. `params`: GRPOTrainer's arguments."""
+    columns_needed = offline_columns(params["args"])
+    if not columns_needed:
+        return
+    (column,) = columns_needed
+    for name in ("tools", "environment_factory", "rollout_func"):
+        if params.get(name):
+            raise ValueError(
+                f"offline_solutions_column cannot be used with {name}: an offline solution is single-turn text, "
+                "with no tool calls, environment steps or rollout fields to replay"
+            )
+    dataset = params.get("train_dataset")
+    columns = getattr(dataset, "column_names", None)
+    if dataset is None or (columns is not None and column not in columns):
+        have = ", ".join(columns or []) or "no train_dataset"
+        raise ValueError(
+            f"offline_solutions_column {column!r} is not a column of the train_dataset ({have}); `exgrpo train` keeps "
+            "it by itself, a dataset of your own must hold it"
+        )
 
 
 @dataclass

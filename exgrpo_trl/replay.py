@@ -1,13 +1,14 @@
 """The replay bookkeeping of one generation batch (algorithm §2-5, §7), free of the training loop.
 
 No trl, transformers or accelerate imports (`scripts/check_imports.py` enforces it): everything here works on plain
-lists, dicts, numpy arrays and CPU tensors, and is tested directly in `tests/algorithm/test_replay.py`. `trainer.py`
-calls these from TRL's hooks and adds what needs the model or the other ranks (entropy scoring, broadcasts, gathers).
+lists, dicts, numpy arrays and CPU tensors, and is tested directly in `tests/algorithm/test_replay.py`. `run.py` calls
+these at each step of a generation batch and adds what needs the other ranks (the broadcast of the draw, the gathers);
+the trainer passes in what needs the model (entropy scoring).
 
 One generation batch, in order:
-1. `replay_count` and `draw_replay_questions` (main process): which questions to replay, and the stored trajectories
-   offered for selection of each (the shortlist).
-2. `select_lowest` per question, over the entropies the trainer scored; `ReplayPlan.build` fixes the plan.
+1. `draw_replay_questions` (main process): which questions to replay (`replay_count` of them), and the stored
+   trajectories offered for selection of each (the shortlist).
+2. `to_score` and `select_trajectories` over the entropies the trainer scored; `ReplayPlan.build` fixes the plan.
 3. `assign_rows`: each replayed group's K rows get its question; its first row is reserved for the stored trajectory.
 4. `batch_outcome`: success per row and count k per group, from the rewards TRL gathered across ranks.
 5. `collect`: what to commit to the buffer (groups and the rows whose trajectories are stored) once the behaviour
@@ -17,6 +18,7 @@ One generation batch, in order:
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 from collections.abc import Sequence
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 from .buffer import ExperienceBuffer, Trajectory, row_key, shortlist_candidates
+from .settings import ExGRPOSettings
 
 logger = logging.getLogger(__name__)
 
@@ -48,27 +51,52 @@ class ReplayQuestion:
 
 
 def draw_replay_questions(
-    buffer: ExperienceBuffer, n: int, *, trajectory_selection: str, max_candidates: int | None
+    buffer: ExperienceBuffer, settings: ExGRPOSettings, num_groups: int, now: int
 ) -> list[ReplayQuestion]:
-    """Sample `n` questions from the buffer (algorithm §5) and shortlist each one's candidates (algorithm §6).
+    """Sample the replayed questions of generation batch `now`, of `num_groups` groups in all (`replay_count` of
+    them, algorithm §5), and shortlist each one's candidates (algorithm §6).
 
     `random` selection draws its one trajectory here, uniformly over all stored ones, and scores nothing; the other
-    rules keep at most `max_candidates`, ranked by stored log-likelihood (`buffer.shortlist_candidates`). The draw is
-    closed on the buffer (`mark_replayed`: the reuse limit's clock and the repeat flags), also when nothing is drawn.
+    rules keep at most the settings' cap of candidates, ranked by stored log-likelihood (`shortlist_candidates`). The
+    draw is closed on the buffer (`mark_replayed`: the reuse limit and the repeat flags), also when nothing is drawn.
     """
-    drawn = []
-    keys = buffer.sample_questions(n)
-    repeats = buffer.mark_replayed(keys)
+    n = replay_count(buffer.num_questions, settings.replay_ratio, num_groups)
+    selection, drawn = settings.trajectory_selection, []
+    keys = buffer.sample_questions(n, now)
+    repeats = buffer.mark_replayed(keys, now)
     for key, repeat in zip(keys, repeats):
         entry = buffer.questions[key]
         candidates = entry.trajectories
-        if trajectory_selection == "random":
+        if selection == "random":
             if len(candidates) > 1:
                 candidates = [candidates[buffer.choose_random(len(candidates))]]
         else:
-            candidates = shortlist_candidates(candidates, max_candidates, trajectory_selection == "highest_entropy")
+            cap = settings.max_trajectory_candidates
+            candidates = shortlist_candidates(candidates, cap, selection == "highest_entropy")
         drawn.append(ReplayQuestion(key, entry.row, list(candidates), entry.k, repeat))
     return drawn
+
+
+def replay_never_fires(cfg) -> str | None:
+    """A warning when the generation batch is too small for the replay ratio to replay a single group, else None.
+    `cfg`: an `ExGRPOConfig` (its batch shape and settings).
+
+    With TRL's default batch shape (8 rows, K = 8: one question per generation batch) n_exp = floor(rho * 1) = 0 at
+    every step: nothing is ever replayed, and ExGRPOTrainer trains GRPO with retirement."""
+    if not cfg.replays:
+        return None
+    groups = cfg.generation_batch_size // cfg.num_generations  # questions per generation batch, all ranks together
+    if replay_count(groups, cfg.replay_ratio, groups) > 0:
+        return None
+    needed = math.ceil(1.0 / cfg.replay_ratio - 1e-9)
+    return (
+        f"ExGRPO: replay_ratio={cfg.replay_ratio:g} will never replay anything: a generation batch of "
+        f"{cfg.generation_batch_size} rows holds {groups} question(s) of num_generations={cfg.num_generations} "
+        f"rollouts, and floor({cfg.replay_ratio:g} x {groups}) = 0 of them come from the buffer. Give a generation "
+        f"batch at least {needed} questions (generation_batch_size >= {needed * cfg.num_generations}, or more "
+        "steps_per_generation, gradient_accumulation_steps or per_device_train_batch_size), or raise replay_ratio; "
+        "replay_ratio=0 trains GRPO."
+    )
 
 
 # ------------------------------------------------------------------------------------------------ 2. the plan
@@ -77,37 +105,98 @@ def select_lowest(scores: torch.Tensor, highest: bool = False) -> int:
     return int(torch.argmin(-scores if highest else scores))
 
 
+def to_score(drawn: Sequence[ReplayQuestion], settings: ExGRPOSettings) -> list[int]:
+    """The drawn questions whose candidates are scored (entropy under the current policy): those with more than one,
+    unless the settings select at random or put no stored trajectory in the group."""
+    if settings.trajectory_selection == "random" or not settings.replay_stored_trajectory:
+        return []
+    return [i for i, question in enumerate(drawn) if len(question.candidates) > 1]
+
+
+def select_trajectories(
+    drawn: Sequence[ReplayQuestion],
+    scored: Sequence[int],
+    entropies: torch.Tensor,
+    settings: ExGRPOSettings,
+    *,
+    num_groups: int,
+    clock: int,
+) -> ReplayPlan:
+    """The plan of generation batch `clock` (of `num_groups` groups): each drawn question with its chosen candidate,
+    the lowest (or highest) mean entropy among its candidates for the `scored` ones (algorithm §6), the first for the
+    others. `entropies`: the scored questions' candidates' entropies, concatenated in their order."""
+    chosen, selected, start = [0] * len(drawn), [], 0
+    for i in scored:
+        scores = entropies[start : start + len(drawn[i].candidates)]
+        chosen[i] = select_lowest(scores, highest=settings.trajectory_selection == "highest_entropy")
+        selected.append(float(scores[chosen[i]]))
+        start += len(drawn[i].candidates)
+    return ReplayPlan.build(drawn, chosen, num_groups, clock, selected, settings.replay_stored_trajectory)
+
+
 @dataclass
 class ReplayPlan:
-    """What one generation batch replays, identical on every rank. The last `len(keys)` groups are replayed."""
+    """What one generation batch replays, identical on every rank. The last `len(questions)` groups are replayed;
+    per replayed question, in group order, the lists below (properties) read off its question and its trajectory."""
 
-    group_indices: list[int]  # global group indices whose K rows are given to replayed questions
-    keys: list[str]
-    rows: list[dict[str, Any]]
-    completion_ids: list[list[int]]  # the selected stored trajectory of each replayed group
-    behaviour_logps: list[torch.Tensor]  # (L,) float32 each
+    questions: list[ReplayQuestion]  # the drawn questions (key, dataset row, bucket when drawn, repeat flag)
+    trajectories: list[Trajectory]  # the selected stored trajectory of each
     num_groups: int  # groups in the whole generation batch
+    clock: int  # the generation batch it is for (the run's clock)
     selected_entropies: list[float] = field(default_factory=list)  # of the scored (>= 2 candidates) questions
     with_trajectories: bool = True  # False: the questions are revisited with K fresh rollouts, no stored row
-    masks: list[list[int] | None] = field(default_factory=list)  # per trajectory: 1 for the model's tokens, or None
-    records: list[dict[str, Any] | None] = field(default_factory=list)  # per trajectory (`Trajectory.record`)
-    collected_at: list[int] = field(default_factory=list)  # per trajectory: the global step it was collected at
-    buckets: list[int] = field(default_factory=list)  # per replayed question: its success count k when drawn
-    repeats: list[bool] = field(default_factory=list)  # per replayed question: also replayed in the batch before
+
+    @property
+    def group_indices(self) -> list[int]:
+        """The global groups whose K rows are given to replayed questions: the last ones."""
+        return list(range(self.num_groups - len(self.questions), self.num_groups))
+
+    @property
+    def keys(self) -> list[str]:
+        return [q.key for q in self.questions]
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        return [q.row for q in self.questions]
+
+    @property
+    def buckets(self) -> list[int]:
+        """Each replayed question's success count k when drawn."""
+        return [q.bucket for q in self.questions]
+
+    @property
+    def repeats(self) -> list[bool]:
+        """Whether each replayed question was also replayed in the generation batch before."""
+        return [q.repeat for q in self.questions]
+
+    @property
+    def collected_at(self) -> list[int]:
+        """The generation batch each selected trajectory was collected in."""
+        return [int(t.collected_at) for t in self.trajectories]
+
+    @functools.cached_property
+    def completion_ids(self) -> list[list[int]]:
+        return [t.completion_ids.tolist() for t in self.trajectories]
+
+    @functools.cached_property
+    def behaviour_logps(self) -> list[torch.Tensor]:
+        """(L,) float32 each."""
+        return [torch.tensor(t.logps, dtype=torch.float32) for t in self.trajectories]
 
     @property
     def repeat_share(self) -> float:
         """The share of this batch's replayed questions that were also replayed in the generation batch before."""
-        return sum(self.repeats) / len(self.repeats) if self.repeats else 0.0
+        repeats = self.repeats
+        return sum(repeats) / len(repeats) if repeats else 0.0
 
     def mask(self, j: int) -> list[int]:
         """Trajectory j's model mask (all ones when every token is the model's)."""
-        mask = self.masks[j] if j < len(self.masks) else None
-        return [1] * len(self.completion_ids[j]) if mask is None else list(mask)
+        mask = self.trajectories[j].mask
+        return [1] * len(self.completion_ids[j]) if mask is None else mask.tolist()
 
     def record(self, j: int) -> dict[str, Any]:
         """Trajectory j's record ({} when it has none)."""
-        return (self.records[j] if j < len(self.records) else None) or {}
+        return self.trajectories[j].record or {}
 
     @classmethod
     def build(
@@ -115,26 +204,13 @@ class ReplayPlan:
         drawn: Sequence[ReplayQuestion],
         chosen: Sequence[int],
         num_groups: int,
+        clock: int,
         selected_entropies=(),
         with_trajectories: bool = True,
     ) -> ReplayPlan:
         """The plan from the drawn questions and the index of each one's chosen candidate."""
         picked = [question.candidates[c] for question, c in zip(drawn, chosen)]
-        return cls(
-            group_indices=list(range(num_groups - len(drawn), num_groups)),
-            keys=[question.key for question in drawn],
-            rows=[question.row for question in drawn],
-            completion_ids=[t.completion_ids.tolist() for t in picked],
-            behaviour_logps=[torch.tensor(t.logps, dtype=torch.float32) for t in picked],
-            num_groups=num_groups,
-            selected_entropies=list(selected_entropies),
-            with_trajectories=with_trajectories,
-            masks=[None if t.mask is None else t.mask.tolist() for t in picked],
-            records=[t.record for t in picked],
-            collected_at=[int(t.step) for t in picked],
-            buckets=[question.bucket for question in drawn],
-            repeats=[question.repeat for question in drawn],
-        )
+        return cls(list(drawn), picked, num_groups, clock, list(selected_entropies), with_trajectories)
 
 
 # ------------------------------------------------------------------------------------------------ 3. rows
@@ -149,6 +225,21 @@ class RowAssignment:
 
     def is_replayed(self, local: int) -> bool:
         return self.replay_rows[local] >= 0
+
+    def with_offline(self, chosen: dict[int, tuple[Any, list[int]]]) -> RowAssignment:
+        """These rows with each row of `chosen` (local row -> (OfflineRow, token ids)) given its offline solution,
+        spliced in place of a generated completion as a stored trajectory is."""
+        if not chosen:
+            return self
+        splice = {**self.splice, **{local: ids for local, (_, ids) in chosen.items()}}
+        return RowAssignment(self.inputs, self.replay_rows, splice, {local: row for local, (row, _) in chosen.items()})
+
+    def without_offline(self, rows: set[int]) -> RowAssignment:
+        """These rows with the offline rows in `rows` (their solution scored unsolved) fresh rows again."""
+        if not rows:
+            return self
+        offline = {local: row for local, row in self.offline.items() if local not in rows}
+        return RowAssignment(self.inputs, self.replay_rows, self.splice, offline)
 
 
 def assign_rows(inputs: Sequence[dict], plan: ReplayPlan | None, *, process_index: int, k: int) -> RowAssignment:
@@ -292,7 +383,7 @@ class PendingCollection:
     groups: list[GroupOutcome]
     rows: dict[int, StoredRow]  # local row -> where it goes
     micro_batches_left: int  # loss passes until every row of the batch has been seen once
-    step: int  # the global step the trajectories are collected at
+    collected_at: int  # the generation batch the trajectories are collected in
 
     def take_recorded(self) -> list[StoredRow]:
         """The rows whose behaviour log-probs are known, removed from `rows` (each is committed once)."""
@@ -308,16 +399,16 @@ def collect(
     process_index: int,
     k: int,
     collecting: bool,
-    stop_ids: set[int],
+    stop_ids: set[int] | frozenset[int],
     micro_batches_left: int,
-    step: int,
+    now: int,
     masks: Sequence[Sequence[int] | None] | None = None,
 ) -> PendingCollection:
     """What this rank will commit (algorithm §2, §4): every group with k > 0 (K/K retires it; before the delayed start
     only retirement counts), and, while collecting, the solved generated rows of groups with 0 < k < K whose completion
     the model ended: its last token is a stop token and the model's (a truncated completion, or a multi-turn one
-    whose last tokens a tool or an environment wrote, is never stored). `masks`: per local row, 1 for the model's
-    tokens (None: all of them)."""
+    whose last tokens a tool or an environment wrote, is never stored). `now`: the generation batch (the stamp of the
+    trajectories); `masks`: per local row, 1 for the model's tokens (None: all of them)."""
     num_local = len(rows.inputs)
     offset = process_index * num_local
     groups, stored = [], {}
@@ -342,25 +433,26 @@ def collect(
             and (mask is None or bool(mask[len(ids) - 1]))
         ):
             stored[local] = StoredRow(global_row, key)
-    return PendingCollection(groups, stored, micro_batches_left, step)
+    return PendingCollection(groups, stored, micro_batches_left, now)
 
 
 def commit(
     buffer: ExperienceBuffer,
     gathered: Sequence[tuple[list[GroupOutcome], list[StoredRow]]],
     *,
-    step: int,
+    collected_at: int,
     is_main_process: bool,
     k: int,
 ) -> None:
     """Apply every rank's (groups, trajectories) to the buffer, in global row order so that every world size builds
-    the same buffer. Only the main process holds trajectories; the others keep the retired set (for the sampler)."""
+    the same buffer, the trajectories stamped with `collected_at` (their generation batch). Only the main process
+    holds trajectories; the others keep the retired set (for the sampler)."""
     groups = sorted((g for rank_groups, _ in gathered for g in rank_groups), key=lambda g: g.group)
     by_key: dict[str, list[Trajectory]] = {}
     if is_main_process:
         rows = sorted((row for _, rank_rows in gathered for row in rank_rows), key=lambda row: row.global_row)
         for row in rows:
-            trajectory = Trajectory(row.completion_ids, row.logps, step, row.mask, row.record)
+            trajectory = Trajectory(row.completion_ids, row.logps, collected_at, row.mask, row.record)
             by_key.setdefault(row.key, []).append(trajectory)
     for g in groups:
         if is_main_process:

@@ -38,6 +38,7 @@ from safetensors import SafetensorError
 from safetensors.numpy import load_file
 
 from .buffer import IDS_DTYPE, LOGPS_DTYPE, MASK_DTYPE, ExperienceBuffer, Trajectory
+from .settings import sampling_settings
 
 STATE_DIRNAME = "exgrpo_state"
 ARRAYS_FILENAME = "buffer.safetensors"
@@ -204,7 +205,7 @@ def _saved_arrays(trajectories: list[Trajectory]) -> list[tuple[str, np.dtype, l
         ("completion_ids", np.dtype(IDS_DTYPE), [t.completion_ids for t in trajectories]),
         ("logps", np.dtype(LOGPS_DTYPE), [t.logps for t in trajectories]),
         ("lengths", np.dtype(np.int64), [np.array([t.completion_ids.size for t in trajectories], dtype=np.int64)]),
-        ("steps", np.dtype(np.int64), [np.array([t.step for t in trajectories], dtype=np.int64)]),
+        ("steps", np.dtype(np.int64), [np.array([t.collected_at for t in trajectories], dtype=np.int64)]),
     ]
     if any(t.mask is not None for t in trajectories):
         arrays.append(("model_mask", np.dtype(MASK_DTYPE), [t.model_mask() for t in trajectories]))
@@ -493,7 +494,10 @@ _KINDS = {  # how a field's expected kind is named in messages -> the test
     "an integer or null": lambda v: v is None or _is_int(v),
     "an object or null": lambda v: v is None or isinstance(v, dict),
     "a string or null": lambda v: v is None or isinstance(v, str),
+    "a pair": lambda v: isinstance(v, list) and len(v) == 2,
 }
+# A setting's default -> the kind its saved value must be
+_KIND_OF = {float: "a number", str: "a string", int: "a non-negative integer"}
 
 
 def _describe(value) -> str:
@@ -539,14 +543,11 @@ def _check_shape(path: Path, meta: dict[str, Any]) -> None:
 
     buffer = meta["buffer"]
     config = _field(path, buffer, "config", "buffer", "an object")
-    for key, kind in (
-        ("num_generations", "an integer"),
-        ("mu", "a number"),
-        ("sigma", "a number"),
-        ("question_selection", "a string"),
-        ("seed", "an integer or null"),
-    ):
-        _field(path, config, key, "buffer.config", kind)
+    _field(path, config, "num_generations", "buffer.config", "an integer")
+    _field(path, config, "seed", "buffer.config", "an integer or null")
+    for key, default in sampling_settings().values():  # the buffer's settings, of their default's kind; a state
+        # written before a setting existed lacks it (it had the default: `ExperienceBuffer.config_changes`)
+        _field(path, config, key, "buffer.config", _KIND_OF[type(default)], optional=True)
     _field(path, buffer, "rng_state", "buffer", "an object")  # its content is numpy's to judge
     for i, question in enumerate(_field(path, buffer, "questions", "buffer", "an array")):
         where = f"buffer.questions[{i}]"
@@ -563,13 +564,20 @@ def _check_shape(path: Path, meta: dict[str, Any]) -> None:
             _expect(path, f"{where}.records[{j}]", record, "an object or null")  # format 2 only
     for i, key in enumerate(_field(path, buffer, "retired", "buffer", "an array")):
         _expect(path, f"buffer.retired[{i}]", key, "a string")
-    _field(path, config, "cooldown", "buffer.config", "a non-negative integer", optional=True)  # older states lack
-    _field(path, buffer, "draws", "buffer", "a non-negative integer", optional=True)  # these three (reuse limit)
+    # when questions were replayed: in generation batches ("clock", "replayed_at", "recent"); states written before
+    # counted draws ("draws", "replayed_at", "recent_draws"), and states before the reuse limit have none of these
+    _field(path, buffer, "clock", "buffer", "a string", optional=True)
+    _field(path, buffer, "draws", "buffer", "a non-negative integer", optional=True)
     for key, draw in (_field(path, buffer, "replayed_at", "buffer", "an object", optional=True) or {}).items():
-        _expect(path, f"buffer.replayed_at[{key!r}]", draw, "a non-negative integer")
+        _expect(path, f"buffer.replayed_at[{key!r}]", draw, "an integer")
     for i, keys in enumerate(_field(path, buffer, "recent_draws", "buffer", "an array", optional=True) or []):
         for j, key in enumerate(_expect(path, f"buffer.recent_draws[{i}]", keys, "an array")):
             _expect(path, f"buffer.recent_draws[{i}][{j}]", key, "a string")
+    for i, entry in enumerate(_field(path, buffer, "recent", "buffer", "an array", optional=True) or []):
+        at, keys = _expect(path, f"buffer.recent[{i}]", entry, "a pair")
+        _expect(path, f"buffer.recent[{i}][0]", at, "an integer")
+        for j, key in enumerate(_expect(path, f"buffer.recent[{i}][1]", keys, "an array")):
+            _expect(path, f"buffer.recent[{i}][1][{j}]", key, "a string")
 
     # the trainer's switches: optional (a state may be saved with none), typed when present
     trainer = meta["trainer"]
@@ -616,11 +624,14 @@ def load_state(
     *,
     with_trajectories: bool = True,
     meta: dict[str, Any] | None = None,
+    updates_per_batch: float | None = None,
 ) -> dict[str, Any]:
     """Restore `buffer` from `directory/exgrpo_state` and return the saved trainer state.
 
     With `with_trajectories=False` (processes that hold no trajectories) only state.json is read and `buffer`, if
     given, gets the retired set alone. `meta`: state.json as `read_meta` already returned it (not read again).
+    `updates_per_batch`: optimizer updates per generation batch, for the trajectories of states that stamped them
+    with the optimizer step (`ExperienceBuffer.restore`).
     """
     if meta is None:
         meta = read_meta(directory)
@@ -628,8 +639,9 @@ def load_state(
         if with_trajectories:
             trajectories = read_trajectories(directory, meta)
             _put_images(meta["buffer"]["questions"], read_images(directory, meta))
+            clock = meta["trainer"].get("generation_batches")
             try:
-                buffer.restore(meta["buffer"], trajectories)
+                buffer.restore(meta["buffer"], trajectories, clock=clock, updates_per_batch=updates_per_batch)
             except (KeyError, ValueError, TypeError) as e:
                 path = Path(directory) / STATE_DIRNAME
                 raise StateFileError(f"ExGRPO state in {path} is inconsistent: {e}") from e

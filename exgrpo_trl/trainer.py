@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import inspect
 import math
 import os
 import textwrap
-import warnings
 from typing import Any
 
-import numpy as np
 import torch
 from accelerate.utils import broadcast_object_list, gather_object
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -25,10 +22,12 @@ from .buffer import row_images
 from .card import add_section, exgrpo_card_section, fix_local_references
 from .checkpoints import remove_state_leftovers, rotate_checkpoints
 from .checks import check_arguments, check_built
+from .compat import own_key_names, quiet_checkpointing_deprecation, swapped
+from .experience import METRIC_PREFIX, ExGRPOState, Messages, Ranks
 from .export import tokenizer_fingerprint
 from .replay import merge_spliced, splice_rollout
-from .run import METRIC_PREFIX, BatchKey, ExGRPORun, GenerationBatch, Ranks
-from .scoring import masked_mean_per_row, model_token_mask, pad_prompt_completion
+from .run import BatchKey, ExGRPORun, GenerationBatch, Rollouts
+from .scoring import EntropyScorer, image_inputs
 
 __all__ = [
     "METRIC_PREFIX", "REPLAYED_COLUMN", "BatchKey", "ExGRPOTrainer", "GenerationBatch", "finish_pending_push",
@@ -37,59 +36,10 @@ __all__ = [
 
 logger = logging.get_logger(__name__)
 
-# Rows per entropy-scoring forward pass (see `_exgrpo_mean_entropies`). Scoring 94 stored trajectories on the
+# Rows per entropy-scoring forward pass (`scoring.EntropyScorer`). Scoring 94 stored trajectories on the
 # benchmark's CPU model took 62.8 ms in chunks of 16, 55.6 ms in chunks of 32 and 60.0 ms in chunks of 48.
 SCORING_CHUNK_ROWS = 32
 REPLAYED_COLUMN = "exgrpo_replayed"  # column of the completions table marking replayed rows
-
-
-@contextlib.contextmanager
-def quiet_checkpointing_deprecation():
-    """TRL 1.16's generation and `disable_gradient_checkpointing` call the model's `is_gradient_checkpointing`,
-    `gradient_checkpointing_disable` and `_enable`, which transformers 5 deprecates: FutureWarnings about TRL's code
-    (not the user's) at every generation and entropy-scoring pass, whether checkpointing is on or off."""
-    with warnings.catch_warnings():
-        deprecated = r"`(is_)?gradient_checkpointing(_enable|_disable)?` is deprecated"
-        warnings.filterwarnings("ignore", message=deprecated, category=FutureWarning)
-        yield
-
-
-@contextlib.contextmanager
-def swapped(obj, **values):
-    """Within the block, `obj`'s attributes hold `values` (where TRL reads them from); restored afterwards."""
-    saved = {name: getattr(obj, name, None) for name in values}
-    for name, value in values.items():
-        setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(obj, name, value)
-
-
-def _from_run(name: str, doc: str) -> property:
-    """A trainer attribute that is the run's `name` (read and set)."""
-    return property(
-        lambda self: getattr(self.exgrpo_run, name), lambda self, v: setattr(self.exgrpo_run, name, v), doc=doc
-    )
-
-
-@contextlib.contextmanager
-def _own_key_names(model):
-    """Within the block, `model.save_pretrained` writes the model's own weight names. transformers saves a model that
-    has a checkpoint conversion mapping (Qwen2-VL, LLaVA and other vision-language models) under its original names,
-    but resumes a checkpoint with a plain `load_state_dict`, which then matches no weight and trains on from the base
-    model's (transformers#43701): a checkpoint must hold the names it is resumed with. For other models the two are
-    the same and nothing changes."""
-    save = type(model).save_pretrained
-    if "save_original_format" not in inspect.signature(save).parameters:  # a PEFT model or an older transformers
-        yield
-        return
-    model.save_pretrained = functools.partial(save, model, save_original_format=False)
-    try:
-        yield
-    finally:
-        del model.save_pretrained
 
 
 def save_without_push(trainer, output_dir: str) -> None:
@@ -106,51 +56,41 @@ def finish_pending_push(trainer) -> None:
 class ExGRPOTrainer(GRPOTrainer):
     """GRPOTrainer that learns from its own past successes (ExGRPO, arXiv 2510.02245).
 
-    Successful rollouts go into an :class:`~exgrpo_trl.ExperienceBuffer`; every generation batch, `replay_ratio` of
-    its questions are drawn from the buffer (favouring medium difficulty), each with its lowest-entropy stored
-    trajectory, which joins K-1 fresh rollouts of the same question in one GRPO group; replayed tokens are weighted by
-    f(w) = w / (w + gamma), unclipped. With `replay_ratio=0` training is exactly GRPOTrainer's. The constructor is
-    GRPOTrainer's; `args` must be an :class:`~exgrpo_trl.ExGRPOConfig`. ExGRPO's state and the steps of a generation
-    batch are an :class:`~exgrpo_trl.run.ExGRPORun` (`exgrpo_run`), free of TRL; the checks at init are in `checks`.
-    This class only translates TRL's hooks into calls on the run, each override calling `super()`, and is the one
-    module of the package that names a private attribute or method of TRL or transformers:
+    Successful rollouts go into an :class:`~exgrpo_trl.ExperienceBuffer`; every generation batch, a share of its
+    questions (the replay ratio) are drawn from the buffer (favouring medium difficulty), each with its lowest-entropy
+    stored trajectory, which joins K-1 fresh rollouts of the same question in one GRPO group; replayed tokens are
+    weighted by f(w) = w / (w + gamma), unclipped. With a replay ratio of 0 training is exactly GRPOTrainer's. The
+    constructor is GRPOTrainer's; `args` must be an :class:`~exgrpo_trl.ExGRPOConfig`.
 
-    ===================================== ========================================== ===============================
-    hook                                  TRL calls it to                            the run's step (``ExGRPORun``)
-    ===================================== ========================================== ===============================
-    ``__init__``                          build the trainer                          argument checks first, then the
-                                                                                     run (``seed_buffer`` from an
-                                                                                     export)
-    ``_get_train_sampler``                draw each epoch's questions                ``wrap_sampler``: retired ones
-                                                                                     skipped, its place saved
-    ``_generate_and_score_completions``   make and score one generation batch        ``begin_batch`` (plan, scored by
-                                                                                     ``_exgrpo_score_candidates`` on
-                                                                                     every rank; rows), then
-                                                                                     ``after_scoring``
-    ``_generate_single_turn``             sample completions                         stored trajectories spliced
-                                                                                     into their rows (first turn)
-    ``_tool_call_loop``                   run tool calls turn by turn                stored rows kept out of the
-                                                                                     loop, their masks and messages
-    ``_generate``                         call a user's ``rollout_func``             its output gets the stored rows
-    ``_calculate_rewards``                score every row                            ``scored``: what the reward
-                                                                                     functions saw; stored
-                                                                                     environment rewards
-    ``_compute_loss``                     the loss of one micro-batch                ``record_behaviour``, and
-                                                                                     ``replay_term`` added
-    ``_get_per_token_logps_and_entropies`` the policy's forward pass                 its log-probs kept for the term
-    ``_save_checkpoint``                  write a checkpoint                         ``flush`` and ``save`` first;
-                                                                                     our own rotation
-    ``_load_optimizer_and_scheduler``     restore a checkpoint                       ``restore``
-    ``_issue_warnings_after_load``        report keys a checkpoint lacks             tied weights are not "missing"
-    ``_run_epoch``                        train one epoch                            nothing past ``max_steps``
-    ``create_model_card``                 write the model card                       an ExGRPO section
-    ``log``                               write one log row                          ``fill_log``: every ExGRPO
-                                                                                     metric on every training row
-    ===================================== ========================================== ===============================
+    ExGRPO's training state (the buffer, the clock, the delayed start, the sampler's place: what a checkpoint holds)
+    is `exgrpo_state`, an :class:`~exgrpo_trl.experience.ExGRPOState`; the steps of one generation batch are
+    `exgrpo_run`, an :class:`~exgrpo_trl.run.ExGRPORun` on that state (its `last_plan`: the last training generation
+    batch's replay plan; its `replay_token_weights`, set to a list, receives the importance weights of replayed
+    tokens). Both are free of TRL; the checks at init are in `checks`, the entropy scorer in `scoring`. This class
+    only translates TRL's hooks into calls on them, each override calling `super()`, and is the one module of the
+    package that names a private attribute or method of TRL or transformers. The hooks (what TRL calls each for):
+
+    - ``__init__`` (build the trainer): argument checks first, then the state (seeded from an export) and the run;
+    - ``_get_train_sampler`` (draw each epoch's questions): ``state.wrap_sampler``, retired ones skipped, its place
+      saved;
+    - ``_generate_and_score_completions`` (make and score one generation batch): ``run.generation_batch`` (the plan,
+      its candidates scored by ``_exgrpo_score_candidates`` on every rank; the rows), then ``run.finish``;
+    - ``_generate_single_turn`` (sample completions): stored trajectories spliced into their rows (first turn);
+    - ``_tool_call_loop`` (run tool calls turn by turn): stored rows kept out of the loop, their masks and messages;
+    - ``_generate`` (call a user's ``rollout_func``): its output gets the stored rows;
+    - ``_calculate_rewards`` (score every row): ``run.scored``, what the reward functions saw; stored environment
+      rewards put back;
+    - ``_compute_loss`` (the loss of one micro-batch): ``run.record_behaviour``, and ``run.replay_term`` added;
+    - ``_get_per_token_logps_and_entropies`` (the policy's forward pass): its log-probs kept for the term;
+    - ``_save_checkpoint`` (write a checkpoint): ``run.flush`` and ``state.save`` first; our own rotation;
+    - ``_load_optimizer_and_scheduler`` (restore a checkpoint): ``state.restore``;
+    - ``_issue_warnings_after_load`` (report keys a checkpoint lacks): tied weights are not "missing";
+    - ``_run_epoch`` (train one epoch): nothing past ``max_steps``;
+    - ``create_model_card`` (write the model card): an ExGRPO section;
+    - ``log`` (write one log row): ``state.log_metrics``, every ExGRPO metric on every training row.
 
     The order these fire in over one generation batch, and what each does, is on the trainer page ("How it works
-    inside TRL"). `last_replay_plan` holds the plan of the last training generation batch (None when nothing was
-    replayed); `replay_token_weights`, set to a list, receives the importance weights of replayed tokens.
+    inside TRL").
     """
 
     _tag_names = ["trl", "grpo", "exgrpo"]
@@ -170,22 +110,6 @@ class ExGRPOTrainer(GRPOTrainer):
     }
 
     _exgrpo_captured: list[torch.Tensor] | None = None  # open while `_exgrpo_capture_logps` is
-    experience_buffer = _from_run("buffer", "The run's :class:`~exgrpo_trl.ExperienceBuffer`.")
-    exgrpo_state = _from_run("switches", "ExGRPO's switches: replay active, generation batches so far.")
-    last_replay_plan = _from_run("last_plan", "The last training generation batch's plan (None: nothing replayed).")
-    replay_token_weights = _from_run(
-        "replay_token_weights", "Set to a list to receive the importance weights of replayed tokens per loss pass."
-    )
-
-    @property
-    def offline_guide(self):
-        """The run's offline guide, None without offline guidance."""
-        return self.exgrpo_run.offline if self.exgrpo_run.offline.active else None
-
-    @property
-    def last_offline_rows(self) -> int:
-        """Offline rows (every rank's) in the last training generation batch; never generated."""
-        return self.exgrpo_run.offline.last_rows
 
     def __init__(self, *args, **kwargs):
         params = inspect.signature(GRPOTrainer.__init__).bind(None, *args, **kwargs).arguments
@@ -197,35 +121,41 @@ class ExGRPOTrainer(GRPOTrainer):
         for warning in check_built(self.args, self.loss_type):
             logger.warning(warning)
         acc = self.accelerator
-        self.exgrpo_run = ExGRPORun(
+        ranks = Ranks(
+            acc.process_index,
+            acc.num_processes,
+            acc.is_main_process,
+            lambda obj: broadcast_object_list([obj])[0],
+            gather_object,
+            acc.gather,
+        )  # fmt: skip
+        self.exgrpo_state = ExGRPOState(
             self.args,
-            num_generations=self.num_generations,
+            self.num_generations,
+            tokenize=self._exgrpo_tokenize_completion,
             max_completion_length=self.max_completion_length,
-            loss_type=self.loss_type,
-            tokenize_completion=self._exgrpo_tokenize_completion,
-            stop_ids={*self.eos_token_ids, self._tokenizer.pad_token_id},
-            reward_names=self.reward_func_names,
-            # the reward columns TRL adds for environments that own their reward (`get_reward`), after the user's
-            env_reward_columns=range(num_user_rewards, len(self.reward_funcs)),
-            keeps_messages=bool(self.tools),
-            ranks=Ranks(
-                acc.process_index,
-                acc.num_processes,
-                acc.is_main_process,
-                lambda obj: broadcast_object_list([obj])[0],
-                gather_object,
-                acc.gather,
-            ),  # fmt: skip
-            metrics=self._metrics["train"],
-            warn=logger.warning,
-            info=logger.info,
+            ranks=ranks,
+            messages=Messages(logger.warning, logger.info),
+            seed=self.args.seed,
         )
-        if self.args.initial_experience is not None:
-            self.exgrpo_run.seed_buffer(
-                self.args.initial_experience,
-                fingerprint=tokenizer_fingerprint(self._tokenizer),
-                progress=not self.args.disable_tqdm,
-            )
+        rollouts = Rollouts(
+            tokenize=self._exgrpo_tokenize_completion,
+            max_completion_length=self.max_completion_length,
+            stop_ids=frozenset({*self.eos_token_ids, self._tokenizer.pad_token_id}),
+            loss_type=self.loss_type,
+            reward_names=tuple(self.reward_func_names),
+            # the reward columns TRL adds for environments that own their reward (`get_reward`), after the user's
+            env_reward_columns=tuple(range(num_user_rewards, len(self.reward_funcs))),
+            keeps_messages=bool(self.tools),
+            steps_per_generation=self.args.steps_per_generation,
+        )
+        self.exgrpo_run = ExGRPORun(self.exgrpo_state, rollouts, self._metrics["train"])
+        self.exgrpo_state.seed_buffer(
+            fingerprint=tokenizer_fingerprint(self._tokenizer),
+            tokenize=self._exgrpo_tokenize_completion,
+            max_length=self.max_completion_length,
+            progress=not self.args.disable_tqdm,
+        )
 
     def _exgrpo_tokenize_completion(self, text: str) -> list[int]:
         """Token ids of `text` as the model's completion of its prompt would be: the text, then EOS."""
@@ -236,7 +166,7 @@ class ExGRPOTrainer(GRPOTrainer):
         # Always wrapped, so that where the sampler is in its epochs is saved with checkpoints (a resume in a later
         # epoch draws that epoch's order); with nothing to skip it yields exactly TRL's sampler's indices.
         dataset = self.train_dataset if dataset is None else dataset
-        return self.exgrpo_run.wrap_sampler(super()._get_train_sampler(dataset), dataset)
+        return self.exgrpo_state.wrap_sampler(super()._get_train_sampler(dataset), dataset)
 
     # ------------------------------------------------------------------------------------------ generation
     def _generate_and_score_completions(self, inputs):
@@ -244,32 +174,21 @@ class ExGRPOTrainer(GRPOTrainer):
             with quiet_checkpointing_deprecation():
                 return super()._generate_and_score_completions(inputs)
         run = self.exgrpo_run
-        batch = run.begin_batch(inputs, score=self._exgrpo_score_candidates)
-        self._pending_extra_logs[REPLAYED_COLUMN].extend(batch.rows.is_replayed(i) for i in range(len(inputs)))
-        try:
+        with run.generation_batch(inputs, score=self._exgrpo_score_candidates) as batch:
+            self._pending_extra_logs[REPLAYED_COLUMN].extend(batch.rows.is_replayed(i) for i in range(len(inputs)))
             # copies: TRL adds a rollout function's fields to the rows it is given, and the buffer keeps the dataset's
             with quiet_checkpointing_deprecation():
                 output = super()._generate_and_score_completions([dict(x) for x in batch.rows.inputs])
-        finally:
-            run.batch = None
-        spg = self.args.steps_per_generation
-        run.after_scoring(
-            batch,
-            output,
-            reward_weights=self.reward_weights,
-            micro_batches_left=spg - self._step % spg,
-            step=self.state.global_step,
-        )
+            left = self.args.steps_per_generation - self._step % self.args.steps_per_generation  # first-pass passes
+            output.update(run.finish(batch, output, reward_weights=self.reward_weights, micro_batches_left=left))
         return output
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        batch = self.exgrpo_run.batch  # None outside a training generation batch
+        batch = self.exgrpo_run.open_batch  # None outside a training generation batch
         # Only the first call holds every row: the tool loop calls again for the rows that called a tool, and with a
         # rollout function the rows are the function's (spliced in `_generate`).
-        first_turn = batch is not None and batch.turns == 0 and self.rollout_func is None
+        first_turn = batch is not None and batch.next_turn() and self.rollout_func is None
         splice = batch.rows.splice if first_turn else {}
-        if batch is not None:
-            batch.turns += 1
         rows = list(range(len(prompt_ids)))
         if self._exgrpo_can_skip_spliced_rows(splice, prompt_ids, images, multimodal_fields):
             rows = [i for i in rows if i not in splice]  # do not sample a completion only to discard it
@@ -283,7 +202,7 @@ class ExGRPOTrainer(GRPOTrainer):
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
         # Where a whole multi-turn completion becomes known: the stored trajectory (spliced whole at the first turn)
         # is kept out of the loop, so none of its tool calls runs again, and gets its model mask and message list.
-        batch = self.exgrpo_run.batch
+        batch = self.exgrpo_run.open_batch
         splice = batch.rows.splice if batch is not None else {}
         parsed = {row: completions[row] for row in splice}
         for row in splice:
@@ -299,7 +218,7 @@ class ExGRPOTrainer(GRPOTrainer):
 
     def _generate(self, prompts):
         # A rollout function produces every row; its output gets the stored trajectories before TRL decodes it.
-        batch: GenerationBatch | None = self.exgrpo_run.batch
+        batch: GenerationBatch | None = self.exgrpo_run.open_batch
         rollout_func = self.rollout_func
         if batch is None or rollout_func is None or not batch.rows.splice:
             return super()._generate(prompts)
@@ -325,10 +244,10 @@ class ExGRPOTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        batch = self.exgrpo_run.batch
-        if batch is not None:
-            self.exgrpo_run.scored(batch, inputs, prompts, completions, completion_ids_list, rewards_per_func)
-        return rewards_per_func
+        batch = self.exgrpo_run.open_batch
+        if batch is None:
+            return rewards_per_func
+        return self.exgrpo_run.scored(batch, inputs, prompts, completions, completion_ids_list, rewards_per_func)
 
     # ------------------------------------------------------------------------------------------ entropy scoring
     def _exgrpo_score_candidates(self, rows, prompts, completion_ids, masks) -> torch.Tensor:
@@ -357,108 +276,48 @@ class ExGRPOTrainer(GRPOTrainer):
             return self._exgrpo_score_entropies(prompt_ids, completion_ids, masks)
         return self._exgrpo_score_entropies(prompt_ids, completion_ids, masks, vision=[vision[u] for u in which])
 
-    @torch.no_grad()
-    def _exgrpo_score_entropies(
-        self,
-        prompt_ids: list[list[int]],
-        completion_ids: list[list[int]],
-        masks: list | None = None,
-        vision: list | None = None,
-    ) -> torch.Tensor:
-        """Mean per-token entropy of each (prompt, completion) under the current policy, over the model's tokens of
-        its completion only (`masks`: per row, 1 for the model's tokens; None: all of them). `vision`: for a
-        vision-language model, each row's prompt as messages holding its images (None: text only).
+    def _exgrpo_entropy_scorer(self) -> EntropyScorer:
+        """`scoring.EntropyScorer` over TRL's forward pass, sharded over this run's processes."""
 
-        The candidates are split evenly over the ranks, each rank padding its share to the same number of rows, so
-        every rank runs the same number of forward passes (DeepSpeed ZeRO-3 hangs otherwise); results are gathered.
-        """
-        total = len(completion_ids)
-        world, rank = self.accelerator.num_processes, self.accelerator.process_index
-        per_rank = math.ceil(total / world)
-        mine = list(range(rank * per_rank, min((rank + 1) * per_rank, total)))
-        mine += [mine[-1] if mine else 0] * (per_rank - len(mine))  # padding rows: scored, then discarded
-        masks = [None] * total if masks is None else masks
-        entropies = self._exgrpo_mean_entropies(
-            [prompt_ids[i] for i in mine],
-            [completion_ids[i] for i in mine],
-            [masks[i] for i in mine],
-            None if vision is None else [vision[i] for i in mine],
+        def forward(input_ids, attention_mask, logits_to_keep, batch_size, **images):
+            _, entropies, _ = self._get_per_token_logps_and_entropies(
+                self.model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size, compute_entropy=True,
+                **images,
+            )  # fmt: skip
+            return entropies
+
+        acc = self.accelerator
+        return EntropyScorer(
+            forward,
+            self._tokenizer.pad_token_id,
+            max(1, min(self.args.per_device_train_batch_size, SCORING_CHUNK_ROWS)),
+            acc.device,
+            acc.process_index,
+            acc.num_processes,
+            acc.gather,
+            self._exgrpo_vision_inputs,
         )
-        return self.accelerator.gather(entropies).cpu()[:total]
 
     @torch.no_grad()
-    def _exgrpo_mean_entropies(
-        self,
-        prompt_ids: list[list[int]],
-        completion_ids: list[list[int]],
-        masks: list | None = None,
-        vision: list | None = None,
-    ) -> torch.Tensor:
-        """Mean entropy of each row over its completion's model tokens (`masks`, None: all of them), in forward
-        passes over rows of similar length.
-
-        Rows are sorted by length and cut into chunks of at most `per_device_train_batch_size` and at most
-        SCORING_CHUNK_ROWS rows, each padded only to its own longest row: stored trajectories vary a lot in length,
-        and padding every row to the longest one roughly doubled the scoring cost. The number of chunks depends only
-        on the number of rows, which is the same on every rank.
-        """
-        n = len(completion_ids)
-        masks = [None] * n if masks is None else masks
-        lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)]
-        order = sorted(range(n), key=lengths.__getitem__)
-        chunk_rows = max(1, min(self.args.per_device_train_batch_size, SCORING_CHUNK_ROWS))
-        means = torch.empty(n, dtype=torch.float32, device=self.accelerator.device)  # stays on the device
+    def _exgrpo_score_entropies(self, prompt_ids, completion_ids, masks=None, vision=None) -> torch.Tensor:
+        """Mean per-token entropy of each (prompt, completion) under the current policy, over the model's tokens of
+        its completion only, the same on every rank (`scoring.EntropyScorer`: every rank runs the same number of
+        forward passes). `vision`: for a vision-language model, each row's prompt as messages holding its images."""
         with (
             quiet_checkpointing_deprecation(),
             disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs),
         ):
-            for start in range(0, n, chunk_rows):
-                rows = order[start : start + chunk_rows]
-                input_ids, attention_mask, completion_mask = pad_prompt_completion(
-                    [prompt_ids[i] for i in rows],
-                    [completion_ids[i] for i in rows],
-                    self._tokenizer.pad_token_id,
-                    device=self.accelerator.device,
-                )
-                images = {} if vision is None else self._exgrpo_vision_inputs([vision[i] for i in rows], input_ids)
-                _, entropies, _ = self._get_per_token_logps_and_entropies(
-                    self.model,
-                    input_ids,
-                    attention_mask,
-                    completion_mask.size(1),
-                    batch_size=len(rows),
-                    compute_entropy=True,
-                    **images,
-                )
-                model_tokens = completion_mask * model_token_mask([masks[i] for i in rows], completion_mask)  # (B, C)
-                means[torch.tensor(rows, device=means.device)] = masked_mean_per_row(entropies.float(), model_tokens)
-        return means
+            return self._exgrpo_entropy_scorer()(prompt_ids, completion_ids, masks, vision)
 
     def _exgrpo_vision_inputs(self, prompts: list, input_ids: torch.Tensor) -> dict[str, Any]:
-        """The image inputs of one scoring chunk, as `_get_per_token_logps_and_entropies` takes them for a training
-        forward: the processor's fields for these prompts (`_tokenize_prompts`: pixel values, image grids, ...), the
-        images per row, and the per-token fields (token type ids) left-padded like the prompts and 0 over the
-        completion. `input_ids`: the chunk's (B, P + C) tokens from `pad_prompt_completion`."""
-        prompt_ids, images, fields = self._tokenize_prompts(prompts)
-        if images is None:  # no row of the chunk has an image
-            return {}
-        width, device = input_ids.size(1), input_ids.device
-        out: dict[str, Any] = {"num_images": [len(row) if row else 0 for row in images]}
-        width_prompt = max(len(ids) for ids in prompt_ids)
-        for name, value in fields.items():  # as TRL's generation takes them
-            if isinstance(value, list) and value and isinstance(value[0], list):  # per token of each prompt
-                padded = torch.zeros((len(value), width), dtype=torch.long, device=device)
-                for i, row in enumerate(value):
-                    padded[i, width_prompt - len(row) : width_prompt] = torch.as_tensor(row, dtype=torch.long)
-                out[name] = padded
-            else:  # pixel values, image grids, ...: a tensor, or arrays to stack into one
-                out[name] = (value if isinstance(value, torch.Tensor) else torch.tensor(np.array(value))).to(device)
-        return out
+        """The image inputs of one scoring chunk (`scoring.image_inputs`) from the processor's output for its prompts
+        (`_tokenize_prompts`: prompt ids, images per row, pixel values, image grids, ...)."""
+        return image_inputs(*self._tokenize_prompts(prompts), input_ids)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Every training log row carries every ExGRPO metric (`ExGRPORun.fill_log`).
         if self.model.training and "loss" in logs:
-            self.exgrpo_run.fill_log()
+            self.exgrpo_state.log_metrics(self._metrics["train"])
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------------------------------ checkpoints
@@ -469,11 +328,11 @@ class ExGRPOTrainer(GRPOTrainer):
         checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save:
             remove_state_leftovers(run_dir)  # temporary state folders of processes killed while saving
-            self.exgrpo_run.save(checkpoint)
+            self.exgrpo_state.save(checkpoint)
         # Rotation is ours (below): transformers orders checkpoints by folder time, and a checkpoint half-deleted by
         # a crash during rotation has the freshest time, so it was kept while complete ones were deleted.
         limit = self.args.save_total_limit
-        with swapped(self.args, save_total_limit=None), _own_key_names(self.model):
+        with swapped(self.args, save_total_limit=None), own_key_names(self.model):
             super()._save_checkpoint(model, trial)
         if self.args.should_save:
             rotate_checkpoints(
@@ -501,9 +360,7 @@ class ExGRPOTrainer(GRPOTrainer):
         path = os.path.join(self.args.output_dir, "README.md")
         if not self.is_world_process_zero() or not os.path.isfile(path):
             return
-        section = exgrpo_card_section(
-            self.args, self.experience_buffer, self.state.global_step, self.exgrpo_state["replay_active"]
-        )
+        section = exgrpo_card_section(self.args, self.exgrpo_state, self.state.global_step)
         with open(path, encoding="utf-8") as f:
             card = f.read()
         card = fix_local_references(
@@ -529,7 +386,9 @@ class ExGRPOTrainer(GRPOTrainer):
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)  # under DeepSpeed it returns early; we still run
         if checkpoint is not None:
-            self.exgrpo_run.restore(checkpoint)
+            args = self.args  # optimizer updates per generation batch: for states stamped with the optimizer step
+            updates = args.steps_per_generation * args.num_iterations / args.gradient_accumulation_steps
+            self.exgrpo_state.restore(checkpoint, updates_per_batch=updates)
 
     # ------------------------------------------------------------------------------------------ loss
     @contextlib.contextmanager
@@ -545,7 +404,8 @@ class ExGRPOTrainer(GRPOTrainer):
     @contextlib.contextmanager
     def _exgrpo_without_clip(self, active: bool):
         """Within the block TRL's clamp(r, 1 - epsilon_low, 1 + epsilon_high) is the identity, so the PPO-clipped
-        loss types give -r * A on fresh tokens (`remove_clip_after_replay_start`); its clip metrics then read 0."""
+        loss types give -r * A on fresh tokens (rows the run marked `BatchKey.UNCLIPPED`); its clip metrics then read
+        0."""
         with swapped(self, epsilon_low=math.inf, epsilon_high=math.inf) if active else contextlib.nullcontext():
             yield
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ..buffer import CLOCK
 from ..state import (
     ARRAYS_FILENAME,
     META_FILENAME,
@@ -114,6 +115,8 @@ def summarize(checkpoint: str | Path, *, verify: bool = False) -> dict[str, Any]
             "max": int(lengths.max()) if lengths.size else 0,
         },
         "collected_steps": [int(steps.min()), int(steps.max())] if steps.size else None,
+        # what a trajectory's stamp counts: generation batches; optimizer steps in states written before the clock
+        "collected_unit": "generation batches" if buffer.get("clock") == CLOCK else "steps",
         "bytes": {
             "token_data": token_bytes,
             "per_token": token_bytes / num_tokens if num_tokens else 0.0,
@@ -151,7 +154,8 @@ def format_summary(s: dict[str, Any]) -> str:
         ),
     ]
     if s["collected_steps"]:
-        lines.append(f"collected at  steps {s['collected_steps'][0]} to {s['collected_steps'][1]}")
+        first, last = s["collected_steps"]
+        lines.append(f"collected at  {s.get('collected_unit', 'steps')} {first} to {last}")
     t = s["trainer"]
     active = {True: "on", False: "off (delayed start)"}.get(t["replay_active"], "unknown")
     lines.append(f"replay        {active}; {t['generation_batches']} generation batches so far")
@@ -166,7 +170,8 @@ def format_summary(s: dict[str, Any]) -> str:
 
 def show_questions(checkpoint: str | Path, n: int, tokenizer: str | None = None) -> list[dict[str, Any]]:
     """The first `n` stored questions (buffer order), each with its prompt, k and trajectories (the completion decoded
-    with the checkpoint's tokenizer, or `tokenizer`; its token count; the step it was collected at). Reads the whole
+    with the checkpoint's tokenizer, or `tokenizer`; its token count; the generation batch it was collected in; in a
+    state written before the clock counted generation batches, the optimizer step). Reads the whole
     buffer, checked as a resume reads it. Raises StateFileError, or ValueError when there is no tokenizer."""
     from ..utils.tokenizer import checkpoint_tokenizer  # transformers: only for --show
 
@@ -179,7 +184,7 @@ def show_questions(checkpoint: str | Path, n: int, tokenizer: str | None = None)
         ids = [t.completion_ids.tolist() for t in entry.trajectories]
         texts = decoder.batch_decode(ids, skip_special_tokens=True) if ids else []
         trajectories = [
-            {"completion": text, "num_tokens": len(t_ids), "collected_at": t.step}
+            {"completion": text, "num_tokens": len(t_ids), "collected_at": t.collected_at}
             for text, t_ids, t in zip(texts, ids, entry.trajectories)
         ]
         question = {"key": key, "prompt": entry.row.get("prompt"), "images": count_row_images(entry.row)}
@@ -209,7 +214,9 @@ def format_shown(shown: list[dict[str, Any]], num_questions: int, num_generation
         lines += ["", f"question {i}  k {q['k']} of {num_generations}, {count}{images}  (key {q['key']})", "  prompt"]
         lines += _prompt_lines(q["prompt"])
         for j, t in enumerate(q["trajectories"], 1):
-            lines.append(f"  trajectory {j}: {t['num_tokens']} tokens, collected at step {t['collected_at']}")
+            lines.append(
+                f"  trajectory {j}: {t['num_tokens']} tokens, collected in generation batch {t['collected_at']}"
+            )
             lines += _indented(t["completion"])
     return "\n".join(lines)
 

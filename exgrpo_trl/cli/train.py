@@ -38,6 +38,7 @@ from ..buffer import has_images
 from ..checkpoints import checkpoint_step, resolve_checkpoint
 from ..checks import require_loggers
 from ..config import ExGRPOConfig
+from ..offline import offline_columns
 from ..state import StateFileError
 from ..tasks.math_data import filter_long_prompts, load_math_dataset
 from ..tasks.rewards import REWARD_FUNCS, get_reward_funcs
@@ -362,8 +363,7 @@ def reporting_errors(func: Callable) -> Callable:
 def data_columns(keep_columns: list[str], training_args: ExGRPOConfig) -> list[str]:
     """The dataset columns kept beside prompt and answer: `keep_columns`, and the offline solutions' column, which
     offline guidance reads from the training rows (a user need not list it twice)."""
-    column = training_args.offline_solutions_column
-    return [*keep_columns, column] if column and column not in keep_columns else list(keep_columns)
+    return [*keep_columns, *(c for c in offline_columns(training_args) if c not in keep_columns)]
 
 
 def model_init_kwargs(model_args: ModelConfig, training_args: ExGRPOConfig, vision: bool = False) -> dict:

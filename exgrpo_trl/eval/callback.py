@@ -81,9 +81,10 @@ class ValidationCallback(TrainerCallback):
             raise ValueError(f"validation benchmarks must have distinct names, got {names}")
         self.benchmarks = list(benchmarks)
         self.steps = steps
-        self.samples, self.temperature, self.top_p = samples, temperature, top_p
-        self.max_new_tokens, self.batch_size, self.seed = max_new_tokens, batch_size, seed
-        self.require_think_end = require_think_end
+        # how each validation samples and grades: `evaluate_benchmark`'s keywords (the seed is offset by the rank)
+        self.sampling = dict(samples=samples, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                             seed=seed, require_think_end=require_think_end)  # fmt: skip
+        self.batch_size = batch_size
         self.validate_at_start = validate_at_start
         self.metric_prefix = metric_prefix
         self.trainer = None
@@ -145,12 +146,7 @@ class ValidationCallback(TrainerCallback):
                         bench,
                         generator,
                         tokenizer,
-                        samples=self.samples,
-                        temperature=self.temperature,
-                        top_p=self.top_p,
-                        max_new_tokens=self.max_new_tokens,
-                        seed=self.seed + rank,
-                        require_think_end=self.require_think_end,
+                        **{**self.sampling, "seed": self.sampling["seed"] + rank},
                         questions=shard,
                     )
                     by_question: dict[str, list[dict[str, Any]]] = {}

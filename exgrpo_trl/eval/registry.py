@@ -28,8 +28,19 @@ _LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 # Registry
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class HubSource:
+    """Where a benchmark lives on the Hub: dataset id, split, config, its number of questions there, its card."""
+
+    id: str
+    split: str
+    config: str | None = None
+    size: int | None = None
+    card: str = ""
+
+
+@dataclass(frozen=True)
 class Benchmark:
-    """Where a benchmark lives on the Hub, which columns hold what, and how it is graded.
+    """Where a benchmark lives on the Hub (`hub`), which columns hold what, and how it is graded.
 
     `kind` is ``"math"`` (math-verify on `answer_column`) or ``"choice"`` (letter grading); `choice_format` says how
     a choice row lists its options (``"arc"``, ``"gpqa"``, ``"mmlu_pro"``). `samples` is the algorithm §9 default k.
@@ -37,18 +48,14 @@ class Benchmark:
 
     name: str
     title: str
-    hub_id: str
-    split: str
+    hub: HubSource
     kind: str
     question_column: str
     answer_column: str | None = None
-    config: str | None = None
     id_column: str | None = None
     choice_format: str | None = None
     samples: int = 1
     in_distribution: bool = True
-    size: int | None = None
-    card: str = ""
 
 
 BENCHMARKS: dict[str, Benchmark] = {
@@ -57,118 +64,127 @@ BENCHMARKS: dict[str, Benchmark] = {
         Benchmark(
             "aime24",
             "AIME24",
-            "HuggingFaceH4/aime_2024",
-            "train",
+            HubSource(
+                "HuggingFaceH4/aime_2024",
+                "train",
+                size=30,
+                card="https://huggingface.co/datasets/HuggingFaceH4/aime_2024",
+            ),
             "math",
             "problem",
             "answer",
             id_column="id",
             samples=32,
-            size=30,
-            card="https://huggingface.co/datasets/HuggingFaceH4/aime_2024",
         ),
         Benchmark(
             "aime25",
             "AIME25",
-            "MathArena/aime_2025",
-            "train",
+            HubSource(
+                "MathArena/aime_2025", "train", size=30, card="https://huggingface.co/datasets/MathArena/aime_2025"
+            ),
             "math",
             "problem",
             "answer",
             id_column="problem_idx",
             samples=32,
-            size=30,
-            card="https://huggingface.co/datasets/MathArena/aime_2025",
         ),
         Benchmark(
             "amc",
             "AMC",
-            "AI-MO/aimo-validation-amc",
-            "train",
+            HubSource(
+                "AI-MO/aimo-validation-amc",
+                "train",
+                size=83,
+                card="https://huggingface.co/datasets/AI-MO/aimo-validation-amc",
+            ),
             "math",
             "problem",
             "answer",
             id_column="id",
             samples=32,
-            size=83,
-            card="https://huggingface.co/datasets/AI-MO/aimo-validation-amc",
         ),
         Benchmark(
             "math500",
             "MATH-500",
-            "HuggingFaceH4/MATH-500",
-            "test",
+            HubSource(
+                "HuggingFaceH4/MATH-500",
+                "test",
+                size=500,
+                card="https://huggingface.co/datasets/HuggingFaceH4/MATH-500",
+            ),
             "math",
             "problem",
             "answer",
             id_column="unique_id",
-            size=500,
-            card="https://huggingface.co/datasets/HuggingFaceH4/MATH-500",
         ),
         Benchmark(
             "minerva",
             "Minerva",
-            "lkevinzc/math-eval",
-            "minerva",
+            HubSource(
+                "lkevinzc/math-eval", "minerva", size=272, card="https://huggingface.co/datasets/lkevinzc/math-eval"
+            ),
             "math",
             "problem",
             "answer",
-            size=272,
-            card="https://huggingface.co/datasets/lkevinzc/math-eval",
         ),
         Benchmark(
             "olympiad",
             "Olympiad",
-            "lkevinzc/math-eval",
-            "olympiad_bench",
+            HubSource(
+                "lkevinzc/math-eval",
+                "olympiad_bench",
+                size=675,
+                card="https://huggingface.co/datasets/lkevinzc/math-eval",
+            ),
             "math",
             "problem",
             "answer",
-            size=675,
-            card="https://huggingface.co/datasets/lkevinzc/math-eval",
         ),
         Benchmark(
             "arc_c",
             "ARC-c",
-            "allenai/ai2_arc",
-            "test",
+            HubSource(
+                "allenai/ai2_arc",
+                "test",
+                config="ARC-Challenge",
+                size=1172,
+                card="https://huggingface.co/datasets/allenai/ai2_arc",
+            ),
             "choice",
             "question",
             "answerKey",
-            config="ARC-Challenge",
             id_column="id",
             choice_format="arc",
             in_distribution=False,
-            size=1172,
-            card="https://huggingface.co/datasets/allenai/ai2_arc",
         ),
         Benchmark(
             "gpqa_diamond",
             "GPQA-D",
-            "Idavidrein/gpqa",
-            "train",
+            HubSource(
+                "Idavidrein/gpqa",
+                "train",
+                config="gpqa_diamond",
+                size=198,
+                card="https://huggingface.co/datasets/Idavidrein/gpqa (gated: accept its terms, then log in)",
+            ),
             "choice",
             "Question",
             "Correct Answer",
-            config="gpqa_diamond",
             choice_format="gpqa",
             in_distribution=False,
-            size=198,
-            card="https://huggingface.co/datasets/Idavidrein/gpqa (gated: accept its terms, then log in)",
         ),
         Benchmark(
             "mmlu_pro",
             "MMLU-Pro",
-            "TIGER-Lab/MMLU-Pro",
-            "test",
+            HubSource(
+                "TIGER-Lab/MMLU-Pro", "test", size=12032, card="https://huggingface.co/datasets/TIGER-Lab/MMLU-Pro"
+            ),
             "choice",
             "question",
             "answer",
             id_column="question_id",
             choice_format="mmlu_pro",
             in_distribution=False,
-            size=12032,
-            card="https://huggingface.co/datasets/TIGER-Lab/MMLU-Pro",
         ),
     )
 }
@@ -319,7 +335,7 @@ def _check_columns(spec: Benchmark, dataset, where: str) -> None:
     if missing:
         raise ValueError(
             f"{where} lacks column(s) {missing} of benchmark {spec.name!r} (it has {dataset.column_names}); "
-            f"expected the schema of {spec.hub_id}."
+            f"expected the schema of {spec.hub.id}."
         )
 
 
@@ -366,16 +382,16 @@ def load_benchmark(
     if path is not None:
         raw, source = load_raw_dataset(str(path)), {"path": str(path)}
     else:
-        source = {"hub_id": spec.hub_id, "config": spec.config, "split": spec.split}
+        source = {"hub_id": spec.hub.id, "config": spec.hub.config, "split": spec.hub.split}
         try:
-            raw = load_raw_dataset(spec.hub_id, split=spec.split, config=spec.config)
+            raw = load_raw_dataset(spec.hub.id, split=spec.hub.split, config=spec.hub.config)
         except Exception as exc:  # noqa: BLE001 - add what to do about it
             raise RuntimeError(
-                f"could not load benchmark {name!r} from the Hub ({spec.hub_id}, config={spec.config}, "
-                f"split={spec.split}): {exc}. Pass a local copy of the same schema with --data {name}=PATH. "
-                f"Card: {spec.card}"
+                f"could not load benchmark {name!r} from the Hub ({spec.hub.id}, config={spec.hub.config}, "
+                f"split={spec.hub.split}): {exc}. Pass a local copy of the same schema with --data {name}=PATH. "
+                f"Card: {spec.hub.card}"
             ) from exc
-    _check_columns(spec, raw, str(path or spec.hub_id))
+    _check_columns(spec, raw, str(path or spec.hub.id))
     if limit is not None:
         raw = raw.select(range(min(limit, len(raw))))
     questions = _registry_questions(spec, raw, system_prompt)

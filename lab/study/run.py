@@ -194,7 +194,7 @@ def run_one(
         for prompt, r in zip(prompts, rewards):
             seen[prompt] += 1
             solved[prompt] += r is not None and r >= 1.0
-        plan = getattr(trainer, "last_replay_plan", None)  # set before this batch was generated
+        plan = run.last_plan if run is not None else None  # set before this batch was generated
         groups_now.clear()
         groups_now.update(
             group_shares(
@@ -209,6 +209,8 @@ def run_one(
     trainer = trainer_cls(
         model=model, reward_funcs=[reward], args=config, train_dataset=train_set, processing_class=tokenizer
     )
+    # ExGRPOTrainer's cycle and state (None for GRPOTrainer)
+    run, exgrpo = getattr(trainer, "exgrpo_run", None), getattr(trainer, "exgrpo_state", None)
     k, groups, spg = task.num_generations, task.generation_questions, task.steps_per_generation
     progress = progress_path(cache_dir, task.name, arm_name, seed) if stop_after is None else None
     # One entry per optimizer step; a generation batch is drawn at the first update of each `spg`, and its figures
@@ -244,9 +246,9 @@ def run_one(
     class Recorder(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             generated_now = (state.global_step - 1) % spg == 0  # TRL generates every spg optimizer steps
-            plan = getattr(trainer, "last_replay_plan", None) if generated_now else None
+            plan = run.last_plan if run is not None and generated_now else None
             replayed = len(plan.keys) if plan is not None else 0
-            offline = getattr(trainer, "last_offline_rows", 0) if generated_now else 0  # offline rows: not generated
+            offline = exgrpo.offline.last_rows if exgrpo is not None and generated_now else 0  # not generated
             generated = groups * k - (replayed if plan is not None and plan.with_trajectories else 0) - offline
             generated = generated if generated_now else 0
             total = (steps_log["rollouts"][-1] if steps_log["rollouts"] else 0) + generated
@@ -257,14 +259,14 @@ def run_one(
             replay_counts.update(plan.keys if plan is not None else [])
             last = state.log_history[-1] if state.log_history else {}
             steps_log["batch_pass_at_1"].append(_r(last.get("reward")))
-            buffer = getattr(trainer, "experience_buffer", None)
+            buffer = exgrpo.buffer if exgrpo is not None else None
             steps_log["buffer_questions"].append(buffer.num_questions if buffer is not None else None)
             steps_log["retired"].append(len(buffer.retired) if buffer is not None else None)
             if generated_now:
-                batches.append(batch_record(state.global_step - 1, plan, groups_now, buffer))
-                if getattr(trainer, "offline_guide", None) is not None:  # offline guidance: its rows in this batch
+                batches.append(batch_record(state.global_step - 1, plan, groups_now, buffer, spg))
+                if exgrpo is not None and exgrpo.offline.active:  # offline guidance: its rows in this batch
                     batches[-1]["offline_rows"] = offline
-            logged = getattr(trainer, "replay_token_weights", None)  # ExGRPOTrainer's, a list from the start
+            logged = run.replay_token_weights if run is not None else None  # a list from the start
             if logged:
                 weights.extend(logged)
                 logged.clear()
@@ -290,8 +292,8 @@ def run_one(
 
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(Recorder())
-    if hasattr(trainer, "replay_token_weights"):  # ExGRPOTrainer: keep the replayed tokens' weights for the record
-        trainer.replay_token_weights = []
+    if run is not None:  # ExGRPOTrainer: keep the replayed tokens' weights for the record
+        run.replay_token_weights = []
     if resume is None:
         evaluate_now(0, 0)
     trainer.train(resume_from_checkpoint=resume)
@@ -303,7 +305,7 @@ def run_one(
     # End-of-run probes on training questions: the most replayed ones and the retired ones, warm start vs final.
     rows = _rows_by_key(train_set)
     probes, evaluated = {}, {}  # evaluated: name -> the warm start's and the final model's evaluations (per question)
-    buffer = getattr(trainer, "experience_buffer", None)
+    buffer = exgrpo.buffer if exgrpo is not None else None
     candidates = {
         "replayed": [key for key, _ in replay_counts.most_common(PROBE_QUESTIONS)],
         "retired": sorted(buffer.retired)[:PROBE_QUESTIONS] if buffer is not None else [],
@@ -464,14 +466,16 @@ def group_shares(rewards: list, k: int, replayed: int, stored_first: bool = True
     return out
 
 
-def batch_record(step: int, plan, groups: dict, buffer) -> dict:
+def batch_record(step: int, plan, groups: dict, buffer, updates_per_batch: int = 1) -> dict:
     """What one generation batch, generated at update `step` (0-based), was made of: its fresh and replayed groups
     (`group_shares`), the bucket occupancy of the buffer the batch drew from (questions per k = 1..K-1; its outcome
     is committed after the batch's first pass, so not yet), the age in updates of each replayed stored trajectory
-    (`step` minus the update it was collected at), the bucket (success count k) of each replayed question when it
-    was drawn, the share of them also replayed in the generation batch before (`repeat_share`), and replays per
-    distinct replayed question over the last 50 draws (`reuse`: the trainer's `exgrpo/replay/reuse`)."""
-    ages = [step - c for c in plan.collected_at] if plan is not None and plan.with_trajectories else []
+    (generation batches since it was collected, times `updates_per_batch`), the bucket (success count k) of each
+    replayed question when it was drawn, the share of them also replayed in the generation batch before
+    (`repeat_share`), and replays per distinct replayed question over the last 50 generation batches (`reuse`: the
+    trainer's `exgrpo/replay/reuse`)."""
+    with_ages = plan is not None and plan.with_trajectories
+    ages = [(plan.clock - c) * updates_per_batch for c in plan.collected_at] if with_ages else []
     return {
         "step": step,
         **groups,

@@ -240,12 +240,13 @@ def test_batch_record_ages_and_buckets():
 
     buffer = ExperienceBuffer(4)
     buffer.update_group("q", 2, {"prompt": "q"}, [Trajectory([5, 1], [-0.5, -0.25], 3)])  # q: 2 of 4, bucket 2
-    buffer.mark_replayed(["q"])
-    buffer.mark_replayed(["q", "r"])  # reuse: 3 replays of 2 questions over the window
-    plan = SimpleNamespace(collected_at=[3, 5], with_trajectories=True, buckets=[2, 3], repeat_share=0.5)
-    # generated at update 9: trajectories collected at updates 3 and 5 are 6 and 4 updates old
-    out = study_run.batch_record(9, plan, {"fresh_groups": 1}, buffer)
-    assert out == {"step": 9, "fresh_groups": 1, "buckets": {"1": 0, "2": 1, "3": 0}, "age": {"mean": 5.0, "max": 6},
+    buffer.mark_replayed(["q"], now=0)
+    buffer.mark_replayed(["q", "r"], now=1)  # reuse: 3 replays of 2 questions over the window
+    plan = SimpleNamespace(collected_at=[1, 2], clock=4, with_trajectories=True, buckets=[2, 3], repeat_share=0.5)
+    # generation batch 4 (update 8, two updates a batch): trajectories collected in batches 1 and 2 are 3 and 2
+    # batches, 6 and 4 updates old
+    out = study_run.batch_record(8, plan, {"fresh_groups": 1}, buffer, updates_per_batch=2)
+    assert out == {"step": 8, "fresh_groups": 1, "buckets": {"1": 0, "2": 1, "3": 0}, "age": {"mean": 5.0, "max": 6},
                    "replayed_buckets": [2, 3], "repeat_share": 0.5, "reuse": 1.5}  # fmt: skip
     revisit = SimpleNamespace(collected_at=[3], with_trajectories=False, buckets=[1], repeat_share=0.0)  # no age
     assert study_run.batch_record(9, revisit, {}, None) == {

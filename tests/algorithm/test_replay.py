@@ -21,6 +21,7 @@ from exgrpo_trl.replay import (
     select_lowest,
 )
 from exgrpo_trl.sampler import SkipRetiredSampler
+from exgrpo_trl.settings import ExGRPOSettings
 
 EOS = 1
 
@@ -44,6 +45,11 @@ def test_select_lowest_takes_the_first_on_ties():
     assert select_lowest(scores, highest=True) == 0
 
 
+def draw(buffer, now=0, **settings):
+    """Draw one generation batch of 2 groups at the paper's replay ratio 0.5 (one replayed question) in batch `now`."""
+    return draw_replay_questions(buffer, ExGRPOSettings(**settings), 2, now)
+
+
 def one_question_buffer(nlls):
     """A buffer (K = 4) holding one question whose i-th trajectory has a stored NLL of nlls[i] (one token each)."""
     buffer = ExperienceBuffer(4, seed=0)
@@ -56,13 +62,14 @@ def test_draw_shortlists_by_stored_likelihood():
     # stored NLLs 0.5, 0.1, 0.9, 0.3 (float16-exact); the 2 lowest are 0.1 (index 1) and 0.3 (index 3), kept in
     # stored order; the 2 highest are 0.9 (index 2) and 0.5 (index 0)
     buffer = one_question_buffer([0.5, 0.125, 0.875, 0.25])
-    (drawn,) = draw_replay_questions(buffer, 1, trajectory_selection="lowest_entropy", max_candidates=2)
+    (drawn,) = draw(buffer, max_trajectory_candidates=2)
     assert drawn.key == "q" and drawn.row == {"prompt": "q"}
     assert [t.completion_ids[0] for t in drawn.candidates] == [11, 13]
-    (drawn,) = draw_replay_questions(buffer, 1, trajectory_selection="highest_entropy", max_candidates=2)
+    (drawn,) = draw(buffer, trajectory_selection="highest_entropy", max_trajectory_candidates=2)
     assert [t.completion_ids[0] for t in drawn.candidates] == [10, 12]
-    (drawn,) = draw_replay_questions(buffer, 1, trajectory_selection="lowest_entropy", max_candidates=None)
+    (drawn,) = draw(buffer, max_trajectory_candidates=None)
     assert [t.completion_ids[0] for t in drawn.candidates] == [10, 11, 12, 13]
+    assert draw_replay_questions(buffer, ExGRPOSettings(replay_ratio=0.5), 1, 0) == []  # floor(0.5 x 1) = 0
 
 
 def test_draws_carry_bucket_and_repeat_into_the_plan():
@@ -70,18 +77,16 @@ def test_draws_carry_bucket_and_repeat_into_the_plan():
     # a reuse limit of 1 it sits out the second batch (nothing drawn: the plan is empty) and is no repeat in the third.
     buffer = one_question_buffer([0.5])
     plans = []
-    for _ in range(3):
-        drawn = draw_replay_questions(buffer, 1, trajectory_selection="lowest_entropy", max_candidates=None)
-        plans.append(ReplayPlan.build(drawn, [0] * len(drawn), num_groups=3))
+    for now in range(3):
+        drawn = draw(buffer, now)
+        plans.append(ReplayPlan.build(drawn, [0] * len(drawn), num_groups=3, clock=now))
     assert [(p.buckets, p.repeats, p.repeat_share) for p in plans] == [([2], [False], 0.0), ([2], [True], 1.0)] * 1 + [
         ([2], [True], 1.0)
     ]
+    assert [(p.clock, p.collected_at) for p in plans] == [(0, [0]), (1, [0]), (2, [0])]  # collected in batch 0
     limited = one_question_buffer([0.5])
-    limited.cooldown = 1
-    sizes = []
-    for _ in range(3):
-        drawn = draw_replay_questions(limited, 1, trajectory_selection="lowest_entropy", max_candidates=None)
-        sizes.append([(q.bucket, q.repeat) for q in drawn])
+    limited.settings = ExGRPOSettings(replay_cooldown=1)
+    sizes = [[(q.bucket, q.repeat) for q in draw(limited, now, replay_cooldown=1)] for now in range(3)]
     assert sizes == [[(2, False)], [], [(2, False)]]
 
 
@@ -89,7 +94,7 @@ def test_draw_random_picks_one_by_the_buffer_generator():
     buffer = one_question_buffer([0.5, 0.125, 0.875, 0.25])
     expected = np.random.default_rng(0)  # the buffer's own generator, seeded 0: same draws in the same order
     expected.choice(1)  # sample_questions draws the question first (one question: index 0)
-    (drawn,) = draw_replay_questions(buffer, 1, trajectory_selection="random", max_candidates=2)
+    (drawn,) = draw(buffer, trajectory_selection="random", max_trajectory_candidates=2)
     assert len(drawn.candidates) == 1  # the cap does not apply: one uniform draw over all four
     assert drawn.candidates[0].completion_ids[0] in (10, 11, 12, 13)
 
@@ -99,7 +104,7 @@ def test_plan_build_replays_the_last_groups():
         ReplayQuestion("a", {"prompt": "a"}, [traj([5, EOS], [-0.5, -0.25]), traj([6, 7, EOS], [-1.0, -2.0, -0.5])]),
         ReplayQuestion("b", {"prompt": "b"}, [traj([8, EOS], [-0.75, -0.125])]),
     ]
-    plan = ReplayPlan.build(drawn, chosen=[1, 0], num_groups=4, selected_entropies=[0.3])
+    plan = ReplayPlan.build(drawn, chosen=[1, 0], num_groups=4, clock=5, selected_entropies=[0.3])
     assert plan.group_indices == [2, 3]  # 4 groups, 2 replayed: the last two
     assert plan.keys == ["a", "b"] and plan.rows == [{"prompt": "a"}, {"prompt": "b"}]
     assert plan.completion_ids == [[6, 7, EOS], [8, EOS]]
@@ -110,15 +115,11 @@ def test_plan_build_replays_the_last_groups():
 
 
 def plan_for(groups, num_groups, k):
-    rows = [{"prompt": f"replayed-{g}"} for g in groups]
-    return ReplayPlan(
-        groups,
-        [f"r{g}" for g in groups],
-        rows,
-        [[100 + g, EOS] for g in groups],
-        [torch.zeros(2) for _ in groups],
-        num_groups,
-    )
+    """A plan replaying `groups` (the last ones of `num_groups`), group g's question "replayed-g" with the stored
+    trajectory [100 + g, EOS]."""
+    assert list(groups) == list(range(num_groups - len(groups), num_groups))
+    questions = [ReplayQuestion(f"r{g}", {"prompt": f"replayed-{g}"}, []) for g in groups]
+    return ReplayPlan(questions, [traj([100 + g, EOS], [0.0, 0.0]) for g in groups], num_groups, clock=0)
 
 
 def test_assign_rows_on_two_ranks_with_a_group_spanning_both():
@@ -182,7 +183,7 @@ def test_collect_stores_solved_untruncated_fresh_rows_of_mixed_groups():
         collecting=True,
         stop_ids={EOS, 0},
         micro_batches_left=2,
-        step=7,
+        now=7,
     )
     assert [(g.group, g.key, g.k, g.row) for g in pending.groups] == [
         (0, question_key("p0"), 2, {"prompt": "p0"}),
@@ -193,7 +194,7 @@ def test_collect_stores_solved_untruncated_fresh_rows_of_mixed_groups():
         0: (0, question_key("p0")),
         9: (9, question_key("p2")),
     }
-    assert pending.micro_batches_left == 2 and pending.step == 7 and pending.take_recorded() == []
+    assert pending.micro_batches_left == 2 and pending.collected_at == 7 and pending.take_recorded() == []
     # before the delayed start: groups are reported (retirement works from step 1) but nothing is kept or stored
     off = collect(
         rows,
@@ -204,7 +205,7 @@ def test_collect_stores_solved_untruncated_fresh_rows_of_mixed_groups():
         collecting=False,
         stop_ids={EOS, 0},
         micro_batches_left=2,
-        step=7,
+        now=7,
     )
     assert [(g.group, g.row) for g in off.groups] == [(0, None), (1, None), (2, None)] and off.rows == {}
 
@@ -224,7 +225,7 @@ def test_collect_reports_a_group_on_the_rank_holding_its_first_row():
         collecting=True,
         stop_ids={EOS},
         micro_batches_left=1,
-        step=0,
+        now=0,
     )
     assert [(g.group, g.k) for g in pending.groups] == [(1, 1)]  # group 0 (k = 0, on rank 0) is not reported
     assert {local: r.global_row for local, r in pending.rows.items()} == {0: 4}
@@ -238,13 +239,13 @@ def test_commit_applies_every_rank_in_global_row_order():
         [StoredRow(3, "a", None, [8, EOS], [-1.0, -0.5]), StoredRow(1, "a", None, [7, EOS], [-0.25, -0.125])],
     )
     main = ExperienceBuffer(k, seed=0)
-    commit(main, [rank1, rank0], step=3, is_main_process=True, k=k)
+    commit(main, [rank1, rank0], collected_at=3, is_main_process=True, k=k)
     assert [t.completion_ids.tolist() for t in main.questions["a"].trajectories] == [[7, EOS], [8, EOS]]  # row 1, 3
     assert main.questions["a"].k == 2 and main.questions["b"].k == 1
-    assert main.questions["b"].trajectories[0].step == 3
+    assert main.questions["b"].trajectories[0].collected_at == 3
     assert main.retired == {"c"}
     other = ExperienceBuffer(k, seed=0)
-    commit(other, [rank1, rank0], step=3, is_main_process=False, k=k)
+    commit(other, [rank1, rank0], collected_at=3, is_main_process=False, k=k)
     assert other.num_questions == 0 and other.retired == {"c"}  # other ranks keep only the retired set
 
 

@@ -1,4 +1,4 @@
-"""`ExGRPORun` driven by hand, with plain tensors and a plain config object: no trainer, no TRL.
+"""`ExGRPORun` on an `ExGRPOState`, driven by hand with plain tensors and the settings dataclass: no trainer, no TRL.
 
 One generation batch of 4 groups of K = 4 (16 rows, one process): the buffer holds one question Q with two stored
 candidates, replay_ratio 0.5 replays min(1 question, floor(0.5 * 4)) = 1 group, the last one (group 3, rows 12-15).
@@ -8,44 +8,36 @@ from __future__ import annotations
 
 import math
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from exgrpo_trl.buffer import Trajectory, question_key
-from exgrpo_trl.run import METRIC_PREFIX, BatchKey, ExGRPORun, Ranks
+from exgrpo_trl.experience import METRIC_PREFIX, ExGRPOState, Messages, Ranks
+from exgrpo_trl.run import BatchKey, ExGRPORun, Rollouts
+from exgrpo_trl.settings import ExGRPOSettings
 
 K, EOS, PAD = 4, 1, 0
 Q = "Q"  # the buffered question's prompt
 CANDIDATES = [[5, 6, EOS], [7, EOS]]  # Q's stored trajectories; the scorer gives the second the lower entropy
 
 
-def config(**overrides):
-    """The ExGRPOConfig fields the run reads, the paper's defaults, as a plain object."""
-    fields = dict(
-        replay_mu=0.5, replay_sigma=1.0, question_selection="gaussian", seed=0, replay_cooldown=0,
-        offline_solutions_column=None, offline_guidance="all_groups", replay_start_pass_rate=None, replays=True,
-        skips_retired=True, replay_ratio=0.5, trajectory_selection="lowest_entropy", max_trajectory_candidates=None,
-        replay_stored_trajectory=True, success_reward_threshold=1.0, remove_clip_after_replay_start=True,
-        policy_shaping_gamma=0.1, replay_importance_correction=True, steps_per_generation=1,
-    )  # fmt: skip
-    return SimpleNamespace(**{**fields, **overrides})
+def settings(**overrides) -> ExGRPOSettings:
+    """The paper's settings, replay from the first batch, every candidate scored, no PPO clip after the start."""
+    fields = dict(replay_start_pass_rate=None, max_trajectory_candidates=None, remove_clip_after_replay_start=True)
+    return ExGRPOSettings(**{**fields, **overrides})
+
+
+def tokenize(text):
+    return [ord(c) for c in text] + [EOS]
 
 
 def make_run(**overrides) -> ExGRPORun:
-    run = ExGRPORun(
-        config(**overrides),
-        num_generations=K,
-        max_completion_length=4,
-        loss_type="dr_grpo",
-        tokenize_completion=lambda text: [ord(c) for c in text] + [EOS],
-        stop_ids={EOS, PAD},
-        warn=lambda message: None,
-        info=lambda message: None,
-    )
-    run.buffer.update_group(
+    quiet = Messages(lambda message: None, lambda message: None)
+    state = ExGRPOState(settings(**overrides), K, tokenize=tokenize, max_completion_length=4, messages=quiet)
+    run = ExGRPORun(state, Rollouts(tokenize, 4, frozenset({EOS, PAD}), "dr_grpo"))
+    state.buffer.update_group(
         question_key(Q),
         2,
         {"prompt": Q},
@@ -64,19 +56,22 @@ def one_batch(run):
     """Steps 1-3 of one generation batch; the rows solved: group 0 none, group 1 rows 4 and 5, group 2 all four,
     group 3 (replayed) its stored row 12 and row 13."""
     inputs = [{"prompt": f"P{i // K}"} for i in range(4 * K)]
-    batch = run.begin_batch(inputs, score)
-    completions = [[3, EOS]] * (4 * K)  # every generated row ended by the model
-    completions = [list(batch.rows.splice.get(i, c)) for i, c in enumerate(completions)]
-    solved = [0, 0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0]
-    rewards = torch.tensor(solved, dtype=torch.float32).unsqueeze(1)  # (16, 1)
-    run.scored(batch, batch.rows.inputs, [x["prompt"] for x in batch.rows.inputs], [""] * 16, completions, rewards)
-    width = max(len(c) for c in completions)
-    output = {
-        "completion_ids": torch.tensor([c + [PAD] * (width - len(c)) for c in completions]),
-        "completion_mask": torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completions]),
-        "advantages": torch.zeros(16),
-    }
-    run.after_scoring(batch, output, reward_weights=torch.ones(1), micro_batches_left=1, step=7)
+    with run.generation_batch(inputs, score) as batch:
+        assert run.open_batch is batch
+        completions = [[3, EOS]] * (4 * K)  # every generated row ended by the model
+        completions = [list(batch.rows.splice.get(i, c)) for i, c in enumerate(completions)]
+        solved = [0, 0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0]
+        rewards = torch.tensor(solved, dtype=torch.float32).unsqueeze(1)  # (16, 1)
+        prompts = [x["prompt"] for x in batch.rows.inputs]
+        assert run.scored(batch, batch.rows.inputs, prompts, [""] * 16, completions, rewards) is rewards
+        width = max(len(c) for c in completions)
+        output = {
+            "completion_ids": torch.tensor([c + [PAD] * (width - len(c)) for c in completions]),
+            "completion_mask": torch.tensor([[1] * len(c) + [0] * (width - len(c)) for c in completions]),
+            "advantages": torch.zeros(16),
+        }
+        output.update(run.finish(batch, output, reward_weights=torch.ones(1), micro_batches_left=1))
+    assert run.open_batch is None  # closed with the block
     return batch, output
 
 
@@ -99,20 +94,35 @@ def test_one_generation_batch_by_hand():
     assert metrics["replay/fraction"] == [0.25] and metrics["batch/pass_at_1"] == [0.5]
     assert metrics["batch/fresh_all_fail"] == [pytest.approx(1 / 3)] and metrics["replay/repeat_share"] == [0.0]
     assert metrics["replay/reuse"] == [1.0]  # one replay of one question over the window so far
-    assert run.switches == {"replay_active": True, "generation_batches": 1} and run.batch is batch
+    assert (run.state.replay_active, run.state.clock, batch.clock, plan.clock) == (True, 1, 0, 0)
 
     # the first loss pass over the batch records the behaviour log-probs and commits (micro_batches_left was 1)
     logps = torch.full(output["completion_ids"].shape, -0.25)
     run.record_behaviour(output, logps)
     assert run.pending is None
-    buffer = run.buffer
+    buffer = run.state.buffer
     assert question_key("P2") in buffer.retired  # 4/4
     assert buffer.questions[question_key("P1")].k == 2
     assert [t.completion_ids.tolist() for t in buffer.questions[question_key("P1")].trajectories] == [[3, EOS]] * 1
     assert buffer.questions[question_key("P1")].trajectories[0].logps.tolist() == [-0.25, -0.25]
+    assert buffer.questions[question_key("P1")].trajectories[0].collected_at == 0  # stamped with the batch's clock
     assert buffer.questions[question_key(Q)].k == 2  # row 12 (stored) and row 13 solved
     assert len(buffer.questions[question_key(Q)].trajectories) == 3  # row 13's [3, EOS] joins the two candidates
     assert question_key("P0") not in buffer  # k = 0: nothing stored
+
+
+def test_one_clock_stamps_trajectories_and_ages_them():
+    """The state's clock counts generation batches: five made before this one, whose plan is for batch 5; Q's
+    candidates were stored in batch 0 (make_run), and the trajectories this batch stores are stamped 5; the clock then
+    reads 6."""
+    run = make_run()
+    run.state.clock = 5
+    batch, output = one_batch(run)
+    assert (batch.clock, batch.plan.clock, batch.plan.collected_at) == (5, 5, [0])
+    assert run.state.clock == 6
+    run.record_behaviour(output, torch.full(output["completion_ids"].shape, -0.25))
+    assert [t.collected_at for t in run.state.buffer.questions[question_key("P1")].trajectories] == [5]
+    assert run.state.buffer.replayed_at == {question_key(Q): 5}  # the reuse limit counts in the same unit
 
 
 def test_replay_term_by_hand():
@@ -136,33 +146,41 @@ def test_replay_term_by_hand():
 
 def test_delayed_start_and_state_round_trip():
     run = make_run(replay_start_pass_rate=0.6)
-    assert run.switches["replay_active"] is False
+    assert run.state.replay_active is False
     batch, output = one_batch(run)
     assert batch.plan is None and BatchKey.REPLAY_MASK not in output  # nothing replayed before the start
     # Pass@1 8 / 16 = 0.5 <= 0.6: still off (only retirement counts; group 2 retired, nothing stored)
-    assert run.switches == {"replay_active": False, "generation_batches": 1}
+    assert (run.state.replay_active, run.state.clock) == (False, 1)
     run.record_behaviour(output, torch.zeros(output["completion_ids"].shape))
-    assert question_key("P2") in run.buffer.retired and question_key("P1") not in run.buffer
-    state = run.state_dict()
-    assert state == {"replay_active": False, "generation_batches": 1}  # no sampler yet, no offline guide
+    assert question_key("P2") in run.state.buffer.retired and question_key("P1") not in run.state.buffer
+    saved = run.state.state_dict()
+    assert saved == {"replay_active": False, "generation_batches": 1}  # no sampler yet, no offline guide
     other = make_run(replay_start_pass_rate=0.6)
-    other.load_state_dict({**state, "generation_batches": 5})
-    assert other.switches == {"replay_active": False, "generation_batches": 5}
+    other.state.load_state_dict({**saved, "generation_batches": 5})
+    assert (other.state.replay_active, other.state.clock) == (False, 5)
 
 
 def test_offline_guidance_off_is_a_null_guide():
     run = make_run()
-    assert not run.offline.active and run.offline.state_dict() is None
+    assert not run.state.offline.active and run.state.offline.state_dict() is None
     on = make_run(offline_solutions_column="solution")
-    assert on.offline.active and on.state_dict()["offline"] == {"rejected": [], "self_solved": []}
+    assert on.state.offline.active and on.state.state_dict()["offline"] == {"rejected": [], "self_solved": []}
 
 
-def test_the_run_imports_no_training_framework():
-    """Imported in a fresh interpreter: the run module pulls in none of trl, transformers, accelerate."""
+def test_a_loss_without_a_clip_cannot_drop_it():
+    state = make_run().state
+    with pytest.raises(ValueError, match="remove_clip_after_replay_start removes the PPO clip"):
+        ExGRPORun(state, Rollouts(tokenize, 4, frozenset({EOS}), "sapo"))
+
+
+@pytest.mark.parametrize("module", ["exgrpo_trl.run", "exgrpo_trl.experience", "exgrpo_trl.settings"])
+def test_the_run_imports_no_training_framework(module):
+    """Imported in a fresh interpreter: the run, its state and the settings pull in none of trl, transformers,
+    accelerate (the settings not even torch)."""
     import subprocess
 
-    frameworks = "('trl', 'transformers', 'accelerate')"
-    code = f"import sys, exgrpo_trl.run; print(sorted(m for m in {frameworks} if m in sys.modules))"
+    frameworks = "('trl', 'transformers', 'accelerate')" if module != "exgrpo_trl.settings" else "('torch', 'trl')"
+    code = f"import sys, {module}; print(sorted(m for m in {frameworks} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -25,13 +25,20 @@ def reference_entropy(model, prompt, completion):
     return float(-(logp.exp() * logp).sum(-1).mean())
 
 
+def draw_plan(trainer, groups: int):
+    """The replay plan of a generation batch of `groups` questions (opened and closed by the run, not trained)."""
+    inputs = [{"prompt": "1+1=", "always": False}] * (groups * trainer.num_generations)
+    with trainer.exgrpo_run.generation_batch(inputs, trainer._exgrpo_score_candidates) as batch:
+        return batch.plan
+
+
 PROMPTS = [[3, 4], [5, 6, 7, 8], [4, 4, 9, 10, 11, 3]]
 COMPLETIONS = [[5, 6, 1], [7, 8, 9, 10, 11, 12, 1], [3, 4, 5, 6, 1]]
 
 
 def test_padded_batch_equals_alone(trainer):
-    together = trainer._exgrpo_mean_entropies(PROMPTS, COMPLETIONS)
-    alone = torch.cat([trainer._exgrpo_mean_entropies([p], [c]) for p, c in zip(PROMPTS, COMPLETIONS)])
+    together = trainer._exgrpo_score_entropies(PROMPTS, COMPLETIONS)
+    alone = torch.cat([trainer._exgrpo_score_entropies([p], [c]) for p, c in zip(PROMPTS, COMPLETIONS)])
     reference = torch.tensor(
         [reference_entropy(trainer.model, p, c) for p, c in zip(PROMPTS, COMPLETIONS)], dtype=torch.float64
     )
@@ -47,7 +54,7 @@ def test_scoring_raises_no_deprecation_warning(trainer):
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer._exgrpo_mean_entropies(PROMPTS, COMPLETIONS)
+        trainer._exgrpo_score_entropies(PROMPTS, COMPLETIONS)
     assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)], [str(w.message) for w in caught]
 
 
@@ -61,7 +68,7 @@ def test_plan_picks_the_extreme_entropy(trainer, tokenizer, selection):
     assert len({round(e, 4) for e in entropies}) == 4
 
     trainer.args.trajectory_selection = selection
-    buffer = trainer.experience_buffer
+    buffer = trainer.exgrpo_state.buffer
     buffer.questions.clear()
     buffer.update_group(
         question_key(prompt),
@@ -69,9 +76,9 @@ def test_plan_picks_the_extreme_entropy(trainer, tokenizer, selection):
         {"prompt": prompt, "always": False},
         [Trajectory(np.array(c), np.full(len(c), -1.0 - i), 0) for i, c in enumerate(candidates)],
     )
-    trainer.exgrpo_state["replay_active"] = True
+    trainer.exgrpo_state.replay_active = True
     # 4 groups: n_exp = min(1, floor(0.5 * 4)) = 1
-    plan = trainer.exgrpo_run.make_plan(4, trainer._exgrpo_score_candidates)
+    plan = draw_plan(trainer, 4)
     assert plan.group_indices == [3]
     assert plan.completion_ids == [candidates[expected]]
     assert torch.equal(plan.behaviour_logps[0], torch.full((len(candidates[expected]),), -1.0 - expected))
@@ -106,7 +113,7 @@ def test_candidate_cap_scores_the_shortlist(trainer, tokenizer, cap, selection, 
 
     monkeypatch.setattr(trainer.args, "max_trajectory_candidates", cap)
     monkeypatch.setattr(trainer.args, "trajectory_selection", selection)
-    buffer = trainer.experience_buffer
+    buffer = trainer.exgrpo_state.buffer
     buffer.questions.clear()
     buffer.update_group(
         question_key(prompt),
@@ -114,8 +121,8 @@ def test_candidate_cap_scores_the_shortlist(trainer, tokenizer, cap, selection, 
         {"prompt": prompt, "always": False},
         [Trajectory(np.array(c), np.full(len(c), -nll[i]), 0) for i, c in enumerate(candidates)],
     )
-    trainer.exgrpo_state["replay_active"] = True
-    plan = trainer.exgrpo_run.make_plan(4, trainer._exgrpo_score_candidates)
+    trainer.exgrpo_state.replay_active = True
+    plan = draw_plan(trainer, 4)
     assert plan.completion_ids == [candidates[expected]]
     assert torch.equal(plan.behaviour_logps[0], torch.full((len(candidates[expected]),), -nll[expected]))
     # one candidate needs no scoring; otherwise exactly the shortlist is scored
@@ -133,7 +140,7 @@ def test_random_selection_ignores_the_cap(trainer, tokenizer, monkeypatch):
     candidates = [[5, 6, 1], [7, 8, 9, 10, 11, 12, 1], [3, 4, 5, 6, 1], [9, 1], [4, 1]]
     monkeypatch.setattr(trainer.args, "max_trajectory_candidates", 1)
     monkeypatch.setattr(trainer.args, "trajectory_selection", "random")
-    buffer = trainer.experience_buffer
+    buffer = trainer.exgrpo_state.buffer
     buffer.questions.clear()
     buffer.update_group(
         question_key(prompt),
@@ -141,11 +148,11 @@ def test_random_selection_ignores_the_cap(trainer, tokenizer, monkeypatch):
         {"prompt": prompt, "always": False},
         [Trajectory(np.array(c), np.full(len(c), -1.0), 0) for c in candidates],
     )
-    trainer.exgrpo_state["replay_active"] = True
+    trainer.exgrpo_state.replay_active = True
     asked = []
     monkeypatch.setattr(buffer, "choose_random", lambda n: asked.append(n) or n - 2)
     never = lambda p, c, m=None: pytest.fail("random selection scored")  # noqa: E731
     monkeypatch.setattr(trainer, "_exgrpo_score_entropies", never)
-    plan = trainer.exgrpo_run.make_plan(4, trainer._exgrpo_score_candidates)
+    plan = draw_plan(trainer, 4)
     assert asked == [5]  # drawn over all 5 stored trajectories, not over a shortlist of 1
     assert plan.completion_ids == [candidates[3]]  # index n - 2 = 3

@@ -205,7 +205,7 @@ HUB = {  # name: (Hub id, config, split), as documented on the datasets' cards
 
 def test_registry():
     assert list(BENCHMARKS) == list(HUB)
-    assert {n: (b.hub_id, b.config, b.split) for n, b in BENCHMARKS.items()} == HUB
+    assert {n: (b.hub.id, b.hub.config, b.hub.split) for n, b in BENCHMARKS.items()} == HUB
     assert registry.IN_DISTRIBUTION == ("aime24", "aime25", "amc", "math500", "minerva", "olympiad")
     assert registry.OUT_OF_DISTRIBUTION == ("arc_c", "gpqa_diamond", "mmlu_pro")
     assert {n: b.samples for n, b in BENCHMARKS.items() if b.samples != 1} == {"aime24": 32, "aime25": 32, "amc": 32}
@@ -589,9 +589,9 @@ def _train(tmp_path, tokenizer, validate: bool):
         original = callback.validate
 
         def validate_and_check():
-            before = trainer.experience_buffer.state_dict()
+            before = trainer.exgrpo_state.buffer.state_dict()
             metrics = original()
-            after = trainer.experience_buffer.state_dict()
+            after = trainer.exgrpo_state.buffer.state_dict()
             seen.append((before, after, trainer.model.training))
             return metrics
 
@@ -625,10 +625,10 @@ def test_validation_callback_logs_and_leaves_buffer_and_training_untouched(tmp_p
         assert 1.0 <= e["eval/toy/mean_completion_length"] <= 4.0
         assert not any(k.startswith(("rewards/", "loss")) for k in e)  # training metrics stay in their own entries
     # the buffer was in use (replay on from step 1) and validation did not change it
-    assert validated.experience_buffer.num_trajectories > 0
+    assert validated.exgrpo_state.buffer.num_trajectories > 0
     assert len(seen) == 2 and all(_same_buffer(before, after) and training for before, after, training in seen)
     # and training went exactly as without validation: same buffer, same weights, same logged training metrics
-    assert _same_buffer(plain.experience_buffer.state_dict(), validated.experience_buffer.state_dict())
+    assert _same_buffer(plain.exgrpo_state.buffer.state_dict(), validated.exgrpo_state.buffer.state_dict())
     for (name, p), (_, q) in zip(plain.model.named_parameters(), validated.model.named_parameters()):
         assert torch.equal(p, q), name
     train_logs = lambda t: [  # noqa: E731

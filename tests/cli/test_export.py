@@ -52,7 +52,7 @@ def test_export_holds_the_buffer(run, tokenizer, capsys):
 
     buffer = run["buffer"]
     assert run["rc"] == 0
-    assert state_of(buffer) == state_of(run["trainer"].experience_buffer)  # the checkpoint is the end of the run
+    assert state_of(buffer) == state_of(run["trainer"].exgrpo_state.buffer)  # the checkpoint is the end of the run
     assert buffer.num_trajectories > 0
     dataset = load_from_disk(str(run["out"]))
     assert len(dataset) == buffer.num_trajectories
@@ -66,7 +66,7 @@ def test_export_holds_the_buffer(run, tokenizer, capsys):
         assert np.array_equal(np.array(row["behaviour_logps"], dtype=np.float16), t.logps)  # float16 exactly
         assert row["behaviour_logps"] == t.logps.astype(np.float32).tolist()
         assert row["num_tokens"] == t.completion_ids.size
-        assert (row["collected_at"], row["k"], row["source"]) == (t.step, entry.k, "on_policy")
+        assert (row["collected_at"], row["k"], row["source"]) == (t.collected_at, entry.k, "on_policy")
     assert {row["collected_at"] for row in rows} <= {0, 1, 2}  # collected at steps 0..2 of a 3-step run
     meta = json.loads((run["out"] / EXPORT_META_FILENAME).read_text())
     assert meta == {
@@ -104,7 +104,9 @@ def test_inspect_show_prints_questions_as_text(run, tokenizer, capsys):
         expected += ["  prompt", f"    {entry.row['prompt']}"]
         for j, t in enumerate(entry.trajectories, 1):
             text = tokenizer.decode(t.completion_ids.tolist(), skip_special_tokens=True)
-            expected += [f"  trajectory {j}: {t.completion_ids.size} tokens, collected at step {t.step}"]
+            expected += [
+                f"  trajectory {j}: {t.completion_ids.size} tokens, collected in generation batch {t.collected_at}"
+            ]
             expected += [f"    {text}" if text else "    (empty)"]
     assert out[len(summary) :].splitlines() == expected
     # --json carries the same questions
@@ -173,7 +175,7 @@ def _exported(state):
 @pytest.mark.parametrize("source", ["out", "parquet"])
 def test_seeding_with_the_same_tokenizer_restores_the_buffer(run, tmp_path, tokenizer, caplog, source):
     with caplog.at_level(logging.INFO, logger="exgrpo_trl.trainer"):
-        seeded = make_trainer(tmp_path, tokenizer, **SMALL, initial_experience=str(run[source])).experience_buffer
+        seeded = make_trainer(tmp_path, tokenizer, **SMALL, initial_experience=str(run[source])).exgrpo_state.buffer
     assert _exported(state_of(seeded)) == _exported(state_of(run["buffer"]))
     assert not seeded.retired
     buffer = run["buffer"]
@@ -209,7 +211,7 @@ def test_seeding_with_another_tokenizer_retokenizes_as_offline(run, tmp_path, ca
         trainer = make_trainer(
             tmp_path, other, **SMALL, initial_experience=str(run["out"]), max_completion_length=max_length
         )
-    seeded = trainer.experience_buffer
+    seeded = trainer.exgrpo_state.buffer
     assert list(seeded.questions) == list(expected)
     for key, entry in seeded.questions.items():
         k, row, kept = expected[key]
@@ -218,7 +220,7 @@ def test_seeding_with_another_tokenizer_retokenizes_as_offline(run, tmp_path, ca
         assert all(t.logps.dtype == np.float16 and not t.logps.any() for t in entry.trajectories)  # log-prob 0
     # steps as collected in the exported run
     steps = {(r["question_key"], r["collected_at"]) for r in rows}
-    assert all((key, t.step) in steps for key, e in seeded.questions.items() for t in e.trajectories)
+    assert all((key, t.collected_at) in steps for key, e in seeded.questions.items() for t in e.trajectories)
     messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "exgrpo_trl.trainer"]
     num = sum(len(kept) for _, _, kept in expected.values())
     assert messages == [
@@ -243,9 +245,9 @@ def test_a_resumed_run_takes_the_checkpoints_buffer(run, tmp_path, tokenizer):
     trainer = make_trainer(
         tmp_path, tokenizer, **SMALL, initial_experience=str(run["out"]), max_steps=3, max_completion_length=4
     )
-    assert 0 < trainer.experience_buffer.num_trajectories < run["buffer"].num_trajectories
+    assert 0 < trainer.exgrpo_state.buffer.num_trajectories < run["buffer"].num_trajectories
     trainer.train(resume_from_checkpoint=str(run["checkpoint"]))
-    assert state_of(trainer.experience_buffer) == state_of(run["buffer"])
+    assert state_of(trainer.exgrpo_state.buffer) == state_of(run["buffer"])
 
 
 def test_seeding_errors_are_one_line(run, tmp_path, tokenizer):

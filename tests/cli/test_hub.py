@@ -84,7 +84,7 @@ def _check_card(text: str, trainer, extra_tags=()):
     assert "zhan2025exgrpo" in text and "2510.02245" in text
     tags = set(ModelCard(text).data.tags)
     assert {"trl", "grpo", "exgrpo", *extra_tags} <= tags
-    buffer = trainer.experience_buffer
+    buffer = trainer.exgrpo_state.buffer
     m = BUFFER_LINE.search(text)
     assert m and tuple(map(int, m.groups())) == (buffer.num_questions, buffer.num_trajectories, len(buffer.retired))
 

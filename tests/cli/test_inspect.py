@@ -78,7 +78,7 @@ def test_text_output(checkpoint, capsys):
     ]
     assert out[5].startswith("bytes         162 of token ids + log-probs (6.00 per token), 96 of lengths + steps; ")
     assert out[6:9] == [
-        "collected at  steps 1 to 6",
+        "collected at  generation batches 1 to 6",
         "replay        on; 5 generation batches so far",
         "buckets       k successes out of K=8:",
     ]
@@ -300,7 +300,7 @@ def test_checkpoint_of_a_real_run_matches_the_trainer(tmp_path, tokenizer):
     trainer = make_trainer(tmp_path, tokenizer, train_dataset=synthetic_dataset(n=16, always_every=4), max_steps=3,
                            save_strategy="steps", save_steps=3, replay_start_pass_rate=0.0)  # fmt: skip
     trainer.train()
-    buffer = trainer.experience_buffer
+    buffer = trainer.exgrpo_state.buffer
     s = summarize(tmp_path / "out" / "checkpoint-3", verify=True)
     assert buffer.num_trajectories > 0
     assert (s["questions"], s["trajectories"], s["tokens"], s["retired"]) == (
@@ -322,7 +322,7 @@ def _buffer_with(num_questions=6, seed=1):
     buffer = ExperienceBuffer(8, seed=seed)
     for q in range(num_questions):
         trajectories = [
-            Trajectory(rng.integers(0, 50, size=int(n)), -rng.random(int(n)), step=q)
+            Trajectory(rng.integers(0, 50, size=int(n)), -rng.random(int(n)), collected_at=q)
             for n in rng.integers(1, 12, size=int(rng.integers(1, 4)))
         ]
         buffer.update_group(f"q{q}", int(rng.integers(1, 8)), {"prompt": f"{q}+1="}, trajectories)

@@ -13,6 +13,7 @@ from huggingface_hub import ModelCard
 
 from exgrpo_trl.buffer import ExperienceBuffer
 from exgrpo_trl.card import SECTION_TITLE, add_section, exgrpo_card_section
+from exgrpo_trl.settings import ExGRPOSettings
 from tests.helpers import make_model, make_trainer, synthetic_dataset
 
 TITLE = "ExGRPO: Learning to Reason from Experience"
@@ -68,53 +69,30 @@ def test_card_training_values(card_run):
     section = text[text.index(SECTION_TITLE) :]
     section = section[: section.index("\n## ", 1)] if "\n## " in section[1:] else section
     rows = dict(re.findall(r"^\| ([^|]+?) \| ([^|]+?) \|$", section, flags=re.M))
+    # every setting the card shows (settings.CARD_LABELS), with this run's value, then the main GRPO values
     assert rows == {
         "setting": "value",
         "replay ratio (rho)": "0.25",
-        "policy shaping gamma": "0.2",
-        "delayed start (batch Pass@1 >)": "0.2",
-        "rollouts per question (K)": "4",
-        "question selection": "gaussian (mu 0.5, sigma 1.0)",
+        "delayed start (batch Pass@1 >; 0 or None: from the first step)": "0.2",
+        "bucket Gaussian centre (mu, a success rate)": "0.5",
+        "bucket Gaussian width (sigma, successes)": "1.0",
+        "question selection": "gaussian",
+        "reuse limit (generation batches a replayed question sits out)": "0",
         "trajectory selection": "random",
+        "trajectory candidates scored (None: every stored one)": "4",
+        "policy shaping gamma (None: plain importance ratio)": "0.2",
         "importance correction": "True",
-        "offline guidance": "off",
+        "offline solutions column (None: no offline guidance)": "None",
+        "rollouts per question (K)": "4",
         "loss type": "bnpo",
         "learning rate": "0.0003",
         "optimizer steps": "3",
     }
 
 
-@pytest.mark.parametrize(
-    "selection,cap,expected",
-    [
-        ("random", 4, "random"),
-        ("lowest_entropy", None, "lowest_entropy (every stored trajectory scored)"),
-        ("highest_entropy", 2, "highest_entropy (of a shortlist of 2 by stored log-likelihood)"),
-    ],
-)
-def test_card_says_how_trajectories_are_selected(selection, cap, expected):
-    args = SimpleNamespace(
-        replay_ratio=0.5,
-        policy_shaping_gamma=0.1,
-        replay_start_pass_rate=0.35,
-        num_generations=8,
-        question_selection="gaussian",
-        replay_mu=0.5,
-        replay_sigma=1.0,
-        trajectory_selection=selection,
-        max_trajectory_candidates=cap,
-        replay_importance_correction=True,
-        loss_type="dr_grpo",
-        learning_rate=1e-6,
-    )
-    buffer = SimpleNamespace(num_questions=0, num_trajectories=0, retired=set())
-    text = exgrpo_card_section(args, buffer, global_step=0, replay_active=False)
-    assert f"| trajectory selection | {expected} |" in text
-
-
 def test_card_buffer_summary_is_the_trainers(card_run):
     trainer, text = card_run
-    buffer = trainer.experience_buffer
+    buffer = trainer.exgrpo_state.buffer
     (match,) = BUFFER_LINE.findall(text)
     questions, trajectories, retired, replay = match
     assert (int(questions), int(trajectories), int(retired)) == (
@@ -123,7 +101,7 @@ def test_card_buffer_summary_is_the_trainers(card_run):
         len(buffer.retired),
     )
     # a run where each number means something: replay switched on, and the buffer collected and retired questions
-    assert replay == "active" and trainer.exgrpo_state["replay_active"]
+    assert replay == "active" and trainer.exgrpo_state.replay_active
     assert buffer.num_questions > 0 and buffer.num_trajectories >= buffer.num_questions and len(buffer.retired) > 0
 
 
@@ -140,13 +118,15 @@ def test_card_section_sits_before_citations_once(card_run):
 # The section on its own (exgrpo_trl.card)
 # ---------------------------------------------------------------------------------------------------------------
 def _args(**overrides):
-    values = dict(
-        replay_ratio=0.5, policy_shaping_gamma=0.1, replay_start_pass_rate=0.35, num_generations=8,
-        question_selection="gaussian", replay_mu=0.5, replay_sigma=1.0, trajectory_selection="lowest_entropy",
-        replay_importance_correction=True, loss_type="dr_grpo", learning_rate=1e-6,
-    )  # fmt: skip
-    values.update(overrides)
-    return SimpleNamespace(**values)
+    """The settings with `overrides`, and the GRPO values the card shows."""
+    settings = ExGRPOSettings(**overrides)
+    for name, value in dict(num_generations=8, loss_type="dr_grpo", learning_rate=1e-6).items():
+        setattr(settings, name, value)
+    return settings
+
+
+def _state(buffer, replay_active):
+    return SimpleNamespace(buffer=buffer, replay_active=replay_active)
 
 
 def test_section_ablation_values_and_buffer_counts():
@@ -159,12 +139,13 @@ def test_section_ablation_values_and_buffer_counts():
     buffer.update_group("a", 2, {"prompt": "a"}, [traj([5, 1]), traj([6, 1])])
     buffer.update_group("b", 1, {"prompt": "b"}, [traj([7, 1])])
     buffer.update_group("c", 4, None, [])  # K/K: retired
-    section = exgrpo_card_section(_args(policy_shaping_gamma=None, replay_start_pass_rate=None), buffer, 12, True)
-    assert "| policy shaping gamma | none (plain importance ratio) |" in section
-    assert "| delayed start (batch Pass@1 >) | off (replay from the first step) |" in section
+    args = _args(policy_shaping_gamma=None, replay_start_pass_rate=None)
+    section = exgrpo_card_section(args, _state(buffer, True), 12)
+    assert "| policy shaping gamma (None: plain importance ratio) | None |" in section
+    assert "| delayed start (batch Pass@1 >; 0 or None: from the first step) | None |" in section
     assert "| optimizer steps | 12 |" in section
     assert BUFFER_LINE.findall(section) == [("2", "3", "1", "active")]
-    assert BUFFER_LINE.findall(exgrpo_card_section(_args(), ExperienceBuffer(4), 0, False)) == [
+    assert BUFFER_LINE.findall(exgrpo_card_section(_args(), _state(ExperienceBuffer(4), False), 0)) == [
         ("0", "0", "0", "not started")
     ]
 
@@ -230,9 +211,8 @@ def test_fix_local_references_on_trls_template():
 
 
 def test_card_says_whether_offline_guidance_was_on():
-    buffer = SimpleNamespace(num_questions=0, num_trajectories=0, retired=set())
-    assert "| offline guidance | off |" in exgrpo_card_section(_args(), buffer, 0, False)
+    state = _state(SimpleNamespace(num_questions=0, num_trajectories=0, retired=set()), False)
+    label = "offline solutions column (None: no offline guidance)"
+    assert f"| {label} | None |" in exgrpo_card_section(_args(), state, 0)
     on = _args(offline_solutions_column="target", offline_guidance="unsolved")
-    assert "| offline guidance | column 'target', unsolved (LUFFY's mixed groups) |" in exgrpo_card_section(
-        on, buffer, 0, False
-    )
+    assert f"| {label} | target |" in exgrpo_card_section(on, state, 0)

@@ -15,8 +15,8 @@ from tests.helpers import config_kwargs, make_model, make_reward, make_trainer, 
 
 GRPO_CONFIG_MESSAGE = (
     "ExGRPOTrainer needs an ExGRPOConfig, got a GRPOConfig. Convert it with "
-    "`ExGRPOConfig.from_grpo_config(cfg, replay_ratio=0.5, ...)` (same GRPO settings and batch sizes, ExGRPO's fields "
-    "as keywords)."
+    "`ExGRPOConfig.from_grpo_config(cfg, **exgrpo_settings)` (same GRPO settings and batch sizes, ExGRPO's fields as "
+    "keywords)."
 )
 
 

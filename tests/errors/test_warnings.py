@@ -60,7 +60,7 @@ def test_always_solved_reward_warns_once(tmp_path, tokenizer, caplog):
         trainer.train()
     warnings = [r.getMessage() for r in caplog.records if "success_reward_threshold" in r.getMessage()]
     assert warnings == [ALL_SOLVED]  # two batches of the kind, one warning
-    assert trainer.experience_buffer.num_questions == 0 and trainer.experience_buffer.retired  # what it warns of
+    assert trainer.exgrpo_state.buffer.num_questions == 0 and trainer.exgrpo_state.buffer.retired  # what it warns of
 
     caplog.clear()
     fixed = make_trainer(
@@ -69,7 +69,7 @@ def test_always_solved_reward_warns_once(tmp_path, tokenizer, caplog):
     with caplog.at_level(logging.WARNING):
         fixed.train()
     assert not [r for r in caplog.records if "success_reward_threshold" in r.getMessage()]
-    assert fixed.experience_buffer.num_questions > 0
+    assert fixed.exgrpo_state.buffer.num_questions > 0
 
 
 # two steps replaying from the first, saved at the second (OUT/out/checkpoint-2)
@@ -82,19 +82,20 @@ def test_resume_with_other_replay_settings_uses_the_config(tmp_path, tokenizer, 
     saved = make_trainer(tmp_path, tokenizer, **SAVED)
     saved.train()
     checkpoint = tmp_path / "out" / "checkpoint-2"
-    assert saved.experience_buffer.num_questions > 0
+    assert saved.exgrpo_state.buffer.num_questions > 0
     changed = dict(question_selection="uniform", replay_mu=0.25, replay_sigma=2.0)
     resumed = make_trainer(tmp_path, tokenizer, **{**SAVED, **changed, "max_steps": 3})
     restored = []  # the buffer as the resume left it, before training goes on
     load = resumed._load_optimizer_and_scheduler
     resumed._load_optimizer_and_scheduler = lambda c: (
         load(c),
-        restored.append(resumed.experience_buffer.state_meta()),
+        restored.append(resumed.exgrpo_state.buffer.state_meta()),
     )
     with caplog.at_level(logging.WARNING):
         resumed.train(resume_from_checkpoint=str(checkpoint))
-    buffer = resumed.experience_buffer
-    assert (buffer.question_selection, buffer.mu, buffer.sigma) == ("uniform", 0.25, 2.0)
+    buffer = resumed.exgrpo_state.buffer
+    s = buffer.settings
+    assert (s.question_selection, s.replay_mu, s.replay_sigma) == ("uniform", 0.25, 2.0)
     as_saved = ExperienceBuffer(8)
     load_state(checkpoint, as_saved)
     expected_meta = as_saved.state_meta()
@@ -110,7 +111,9 @@ def test_resume_with_other_replay_settings_uses_the_config(tmp_path, tokenizer, 
         "questions, trajectories and random state are restored as saved."
     ]
     resumed.create_model_card()
-    assert "| question selection | uniform (mu 0.25, sigma 2.0) |" in (tmp_path / "out" / "README.md").read_text()
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "| question selection | uniform |" in card
+    assert "| bucket Gaussian centre (mu, a success rate) | 0.25 |" in card
 
 
 def test_resume_with_the_same_settings_says_nothing(tmp_path, tokenizer, caplog):

@@ -162,7 +162,8 @@ def uneven_scoring(trainer: RecordingTrainer) -> list[dict]:
         forwards = trainer.scoring_forwards - before
         trainer._in_scoring = True  # every rank scores all n here: the same forward passes again
         try:
-            full = trainer._exgrpo_mean_entropies(prompts[:n], completions[:n]).cpu()
+            with torch.no_grad():
+                full = trainer._exgrpo_entropy_scorer().mean_entropies(prompts[:n], completions[:n]).cpu()
         finally:
             trainer._in_scoring = False
         results.append(
@@ -212,13 +213,13 @@ def main() -> int:
     record["train_seconds"] = time.time() - t0
     record.update(trainer.rec)
     record["plans"] = plans(trainer)
-    record["buffer"] = buffer_summary(trainer.experience_buffer)
-    record["masked_trajectories"] = sum(t.mask is not None for t in trainer.experience_buffer.iter_trajectories())
-    record["exgrpo_state"] = dict(trainer.exgrpo_state)
+    record["buffer"] = buffer_summary(trainer.exgrpo_state.buffer)
+    record["masked_trajectories"] = sum(t.mask is not None for t in trainer.exgrpo_state.buffer.iter_trajectories())
+    record["exgrpo_state"] = {k: v for k, v in trainer.exgrpo_state.state_dict().items() if k != "sampler"}
     record["global_step"] = trainer.state.global_step
     if args.offline:
         record["offline_rows"] = [sorted(r.global_row for r in b["offline_rows"]) for b in trainer.batches]
-        record["offline_state"] = trainer.offline_guide.state_dict()
+        record["offline_state"] = trainer.exgrpo_state.offline.state_dict()
     if args.uneven:
         record["uneven"] = uneven_scoring(trainer)
     record["rss_mb"] = rss_mb()
@@ -233,7 +234,7 @@ def main() -> int:
             "global_step": resumed.state.global_step,
             "plans": plans(resumed),
             "steps": resumed.rec["steps"],
-            "buffer": buffer_summary(resumed.experience_buffer),
+            "buffer": buffer_summary(resumed.exgrpo_state.buffer),
         }
 
     record["seconds"] = time.time() - t0

@@ -223,7 +223,7 @@ def complete_checkpoint(tmp_path_factory, tokenizer):
         out, tokenizer, max_steps=1, save_strategy="steps", save_steps=1, replay_start_pass_rate=0.0
     )
     trainer.train()
-    assert trainer.experience_buffer.num_trajectories > 0
+    assert trainer.exgrpo_state.buffer.num_trajectories > 0
     return out / "out" / "checkpoint-1"
 
 

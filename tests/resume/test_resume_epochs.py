@@ -123,13 +123,13 @@ def test_resume_in_the_second_and_third_epoch_is_bitwise(tmp_path, tokenizer):
     while ExGRPOTrainer with replay_ratio=0 resumed there ends exactly where GRPOTrainer's straight run ends."""
     straight = make_trainer(tmp_path / "straight", tokenizer, **EPOCHS, **AT_ONCE, max_steps=10)
     straight.train()
-    assert straight.experience_buffer.retired and straight.experience_buffer.num_trajectories > 0
+    assert straight.exgrpo_state.buffer.retired and straight.exgrpo_state.buffer.num_trajectories > 0
     for step in (5, 8, 9):
         resumed = _resume(tmp_path, tmp_path / "straight", f"from{step}", step, tokenizer, max_steps=10)
         assert resumed.state.global_step == 10
         assert _same_parameters(straight, resumed), f"resumed from checkpoint-{step}"
-        assert state_of(resumed.experience_buffer) == state_of(straight.experience_buffer)
-        assert resumed.exgrpo_state == straight.exgrpo_state
+        assert state_of(resumed.exgrpo_state.buffer) == state_of(straight.exgrpo_state.buffer)
+        assert resumed.exgrpo_state.state_dict() == straight.exgrpo_state.state_dict()
 
     grpo = make_trainer(tmp_path / "grpo", tokenizer, cls=GRPOTrainer, **EPOCHS, max_steps=10)
     grpo.train()
@@ -144,18 +144,21 @@ def test_resume_in_the_second_and_third_epoch_is_bitwise(tmp_path, tokenizer):
 
 
 def test_resume_with_a_reuse_limit_is_bitwise(tmp_path, tokenizer):
-    """replay_cooldown's clock (each question's last replayed draw, the draw count) is training state: resumed from
-    step 3 of 6, the run draws what the straight run draws, ending with the same parameters and the same buffer."""
+    """replay_cooldown's record (the generation batch each question was last replayed in, on the run's clock) is
+    training state: resumed from step 3 of 6, the run draws what the straight run draws, ending with the same
+    parameters, the same buffer and the same clock."""
     limited = dict(max_steps=6, replay_cooldown=1)
     straight = make_trainer(tmp_path / "straight", tokenizer, **EPOCHS, **AT_ONCE, **limited)
     straight.train()
-    buffer = straight.experience_buffer
-    assert buffer.draws == 6 and buffer.replayed_at  # a draw a step (one generation batch a step), questions replayed
+    buffer = straight.exgrpo_state.buffer
+    # a draw a step (one generation batch a step), questions replayed
+    assert [t for t, _ in buffer.recent] == list(range(6)) and buffer.replayed_at
     resumed = _resume(tmp_path, tmp_path / "straight", "from3", 3, tokenizer, **limited)
     assert _same_parameters(straight, resumed)
-    assert state_of(resumed.experience_buffer) == state_of(buffer)  # replayed_at and draws included (state_meta)
-    again = resumed.experience_buffer
-    assert (again.draws, again.replayed_at) == (buffer.draws, buffer.replayed_at)
+    assert state_of(resumed.exgrpo_state.buffer) == state_of(buffer)  # replayed_at and recent included (state_meta)
+    again = resumed.exgrpo_state.buffer
+    assert (list(again.recent), again.replayed_at) == (list(buffer.recent), buffer.replayed_at)
+    assert resumed.exgrpo_state.clock == straight.exgrpo_state.clock == 6
 
 
 def test_resumed_at_max_steps_trains_nothing(tmp_path, tokenizer):
@@ -168,7 +171,7 @@ def test_resumed_at_max_steps_trains_nothing(tmp_path, tokenizer):
     assert again.state.global_step == 6 == output.global_step
     assert not (tmp_path / "run" / "out" / "checkpoint-7").exists()
     assert all(torch.equal(p, q) for p, q in zip(weights, again.model.parameters()))  # the checkpoint's weights
-    assert state_of(again.experience_buffer) == state_of(run.experience_buffer)
+    assert state_of(again.exgrpo_state.buffer) == state_of(run.exgrpo_state.buffer)
 
 
 def test_rotation_keeps_the_newest_complete_checkpoints(tmp_path, tokenizer):

@@ -20,13 +20,13 @@ def sample_buffer(seed=0):
         trajs = []
         for _ in range(int(rng.integers(1, 4))):
             n = int(rng.integers(1, 9))
-            trajs.append(Trajectory(rng.integers(0, 50, size=n), -rng.random(n), step=q))
+            trajs.append(Trajectory(rng.integers(0, 50, size=n), -rng.random(n), collected_at=q))
         buffer.update_group(
             f"q{q}", int(rng.integers(1, 8)), {"prompt": f"{q}+1=", "answer": str(q + 1), "n": q}, trajs
         )
     buffer.retire("q3")
     buffer.retire("never-stored")
-    buffer.sample_questions(4)  # advance the generator: its state must survive too
+    buffer.sample_questions(4, now=0)  # advance the generator: its state must survive too
     return buffer
 
 
@@ -45,7 +45,7 @@ def test_round_trip(tmp_path):
     assert trainer_state == {"replay_active": True, "generation_batches": 7, "sampler_passes": [["a"]]}
     assert state_of(restored) == state_of(buffer)
     assert restored.bucket_counts() == buffer.bucket_counts() and restored.retired == buffer.retired
-    assert restored.sample_questions(5) == buffer.sample_questions(5)  # same generator state
+    assert restored.sample_questions(5, now=0) == buffer.sample_questions(5, now=0)  # same generator state
     other_rank = ExperienceBuffer(8)
     load_state(tmp_path, other_rank, with_trajectories=False)
     assert other_rank.retired == buffer.retired and other_rank.num_questions == 0
@@ -67,7 +67,7 @@ def test_bucket_order_survives_round_trip(tmp_path):
     restored = ExperienceBuffer(8, seed=0)
     load_state(tmp_path, restored)
     assert list(restored._buckets[4]) == list("bdefac")
-    assert [restored.sample_questions(2) for _ in range(10)] == [buffer.sample_questions(2) for _ in range(10)]
+    assert [restored.sample_questions(2, 0) for _ in range(10)] == [buffer.sample_questions(2, 0) for _ in range(10)]
 
     # a state saved before positions were recorded restores its buckets in buffer order
     arrays, meta = buffer.state_dict()
@@ -221,9 +221,9 @@ def test_resume_is_bitwise(tmp_path, tokenizer):
     resumed = make_trainer(resumed_dir, tokenizer, **SMALL, max_steps=6, save_steps=3)
     resumed.train(resume_from_checkpoint=str(resumed_dir / "out" / "checkpoint-3"))
 
-    assert straight.experience_buffer.num_trajectories > 0 and straight.experience_buffer.retired
-    assert state_of(resumed.experience_buffer) == state_of(straight.experience_buffer)
-    assert resumed.exgrpo_state == straight.exgrpo_state
+    assert straight.exgrpo_state.buffer.num_trajectories > 0 and straight.exgrpo_state.buffer.retired
+    assert state_of(resumed.exgrpo_state.buffer) == state_of(straight.exgrpo_state.buffer)
+    assert resumed.exgrpo_state.state_dict() == straight.exgrpo_state.state_dict()
     for (name, p), (_, q) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(p, q), name
     # the state in the final checkpoints agrees as well
@@ -245,4 +245,4 @@ def test_resume_from_plain_grpo_checkpoint_warns_once(tmp_path, tokenizer, caplo
         trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     warnings = [r for r in caplog.records if "holds no ExGRPO state" in r.getMessage()]
     assert len(warnings) == 1 and trainer.state.global_step == 3
-    assert not trainer.exgrpo_state["replay_active"] or trainer.experience_buffer.num_questions <= 4
+    assert not trainer.exgrpo_state.replay_active or trainer.exgrpo_state.buffer.num_questions <= 4

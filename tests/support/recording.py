@@ -1,9 +1,9 @@
 """`RecordingTrainer`: the one ExGRPOTrainer subclass through which tests watch replay from inside.
 
 Used by the single-process replay tests, the vLLM tests (tests/vllm) and the multi-process script
-(tests/multiprocess). It adds no behaviour: every override calls `super()`, every step of the run it watches
-(`make_plan`, `assign_rows`, `add_offline_rows`, `flush`, wrapped on the trainer's `exgrpo_run`) calls the run's own,
-and each returns its result unchanged. It records
+(tests/multiprocess). It adds no behaviour: every override calls `super()`, and the two steps of the run it watches
+(`generation_batch` and `flush`, wrapped on the trainer's `exgrpo_run`) call the run's own and hand on their results
+unchanged. It records
 
 - `batches`, one dict per training generation batch: ``before`` (the buffer the plan saw: ``questions``,
   ``trajectories`` {key: [completion ids]}, ``retired``, ``active``), ``plan`` (the `ReplayPlan` or None),
@@ -20,6 +20,7 @@ share to the same number of rows, so ranks can run different numbers of forward 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -91,8 +92,8 @@ class RecordingTrainer(ExGRPOTrainer):
         self.scoring_forwards = 0
         self._step_marks = (0, 0)
         self.model.register_forward_pre_hook(self._count_forward)
-        run = self.exgrpo_run  # its steps, watched from around (the run calls them through its attributes)
-        for name in ("make_plan", "assign_rows", "add_offline_rows", "flush"):
+        run = self.exgrpo_run  # its steps, watched from around (the trainer calls them through its attributes)
+        for name in ("generation_batch", "flush"):
             setattr(run, name, getattr(self, f"_record_{name}")(getattr(run, name)))
 
     def _count_forward(self, module, args):
@@ -108,48 +109,34 @@ class RecordingTrainer(ExGRPOTrainer):
         output = super()._generate_and_score_completions(inputs)
         if self.model.training:
             self.batches[-1]["output"] = {k: v.clone() if torch.is_tensor(v) else v for k, v in output.items()}
-            self.batches[-1]["buffer_after"] = self.experience_buffer.num_trajectories
+            self.batches[-1]["buffer_after"] = self.exgrpo_state.buffer.num_trajectories
         return output
 
-    def _record_make_plan(self, make_plan):
-        def recorded(num_groups, score):
-            buffer = self.experience_buffer
-            self.batches[-1]["before"] = {
+    def _record_generation_batch(self, generation_batch):
+        @contextlib.contextmanager
+        def recorded(inputs, score):
+            state = self.exgrpo_state
+            buffer, guide = state.buffer, state.offline
+            record = self.batches[-1]
+            record["before"] = {
                 "questions": buffer.num_questions,
                 "trajectories": {
                     k: [t.completion_ids.tolist() for t in e.trajectories] for k, e in buffer.questions.items()
                 },
                 "retired": set(buffer.retired),
-                "active": self.exgrpo_state["replay_active"],
+                "active": state.replay_active,
             }
-            plan = make_plan(num_groups, score)
-            self.batches[-1]["plan"] = plan
-            self.batches[-1]["step"] = self.state.global_step
-            return plan
-
-        return recorded
-
-    def _record_assign_rows(self, assign_rows):
-        def recorded(inputs, plan):
-            rows = assign_rows(inputs, plan)
-            self.batches[-1]["prompts"] = [x["prompt"] for x in rows.inputs]
-            self.batches[-1]["replay_rows"] = list(rows.replay_rows)
-            self.batches[-1]["splice"] = dict(rows.splice)
-            return rows
-
-        return recorded
-
-    def _record_add_offline_rows(self, add_offline_rows):
-        def recorded(rows, plan):
-            guide = self.offline_guide
-            if guide is None:  # offline guidance off: nothing to record
-                return add_offline_rows(rows, plan)
-            self.batches[-1]["rejected_before"] = set(guide.rejected)
-            self.batches[-1]["self_solved_before"] = set(guide.self_solved)
-            add_offline_rows(rows, plan)
-            self.batches[-1]["offline"] = {local: (row.key, row.index) for local, row in rows.offline.items()}
-            self.batches[-1]["offline_rows"] = list(rows.offline.values())
-            self.batches[-1]["splice"] = dict(rows.splice)
+            if guide.active:
+                record["rejected_before"] = set(guide.rejected)
+                record["self_solved_before"] = set(guide.self_solved)
+            with generation_batch(inputs, score) as batch:
+                rows = batch.rows
+                record.update(plan=batch.plan, step=self.state.global_step, prompts=[x["prompt"] for x in rows.inputs],
+                              replay_rows=list(rows.replay_rows), splice=dict(rows.splice))  # fmt: skip
+                if guide.active:
+                    record["offline"] = {local: (row.key, row.index) for local, row in rows.offline.items()}
+                    record["offline_rows"] = list(rows.offline.values())
+                yield batch
 
         return recorded
 
@@ -162,11 +149,11 @@ class RecordingTrainer(ExGRPOTrainer):
             self._generating = False
 
     # ---------------------------------------------------------------------------------------- scoring
-    def _exgrpo_score_entropies(self, prompt_ids, completion_ids, masks=None, **vision):
+    def _exgrpo_score_entropies(self, prompt_ids, completion_ids, masks=None, vision=None):
         before = self.scoring_forwards
         self._in_scoring = True
         try:
-            result = self._score(prompt_ids, completion_ids, masks, **vision)
+            result = self._score(prompt_ids, completion_ids, masks, vision)
         finally:
             self._in_scoring = False
         self.rec["scoring"].append(
@@ -179,9 +166,9 @@ class RecordingTrainer(ExGRPOTrainer):
         )
         return result
 
-    def _score(self, prompt_ids, completion_ids, masks, **vision):
+    def _score(self, prompt_ids, completion_ids, masks, vision):
         if not self._break_padding:
-            return super()._exgrpo_score_entropies(prompt_ids, completion_ids, masks, **vision)
+            return super()._exgrpo_score_entropies(prompt_ids, completion_ids, masks, vision)
         # The same contiguous shares as the real method, without padding them to the same number of rows: with 2B+1
         # candidates one rank runs two forward passes and the other one.
         from accelerate.utils import gather_object
@@ -192,9 +179,10 @@ class RecordingTrainer(ExGRPOTrainer):
         values = []
         if mine:
             masks = [None] * total if masks is None else masks
-            values = self._exgrpo_mean_entropies(
-                [prompt_ids[i] for i in mine], [completion_ids[i] for i in mine], [masks[i] for i in mine]
-            )
+            with torch.no_grad():
+                values = self._exgrpo_entropy_scorer().mean_entropies(
+                    [prompt_ids[i] for i in mine], [completion_ids[i] for i in mine], [masks[i] for i in mine]
+                )
             values = values.tolist()
         return torch.tensor([x for part in gather_object([values]) for x in part])
 
@@ -228,4 +216,5 @@ class RecordingTrainer(ExGRPOTrainer):
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
-            self.rec["after_load"] = buffer_summary(self.experience_buffer) | {"exgrpo_state": dict(self.exgrpo_state)}
+            state = {k: v for k, v in self.exgrpo_state.state_dict().items() if k != "sampler"}
+            self.rec["after_load"] = buffer_summary(self.exgrpo_state.buffer) | {"exgrpo_state": state}

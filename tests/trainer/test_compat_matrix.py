@@ -342,7 +342,7 @@ def check_common(run: Run) -> None:
             stored_from_run.add((key, tuple(ids)))
 
     assert replayed_groups(run) > 0
-    buffer = trainer.experience_buffer
+    buffer = trainer.exgrpo_state.buffer
     assert buffer.num_trajectories > 0
     for key, entry in buffer.questions.items():
         for t in entry.trajectories:
@@ -446,9 +446,9 @@ def check_behaviour_is_old_logps(run: Run) -> None:
         keys = [question_key(p) for p in batch["prompts"]]
         for key, ids in trainer.rec["flushes"][b]["trajectories"]:
             row = next(r for r in range(len(keys)) if keys[r] == key and completions[r] == ids)
-            entry = trainer.experience_buffer.questions.get(key)
+            entry = trainer.exgrpo_state.buffer.questions.get(key)
             stored = [t for t in (entry.trajectories if entry else []) if t.completion_ids.tolist() == ids]
-            if not stored or stored[0].step != batch["step"]:
+            if not stored or stored[0].collected_at != b:  # the b-th generation batch's clock
                 continue  # retired since, or an identical completion was stored earlier
             old = out["old_per_token_logps"][row, : len(ids)].float()
             torch.testing.assert_close(torch.from_numpy(stored[0].logps.astype(np.float32)), old, atol=2e-3, rtol=1e-3)
@@ -530,7 +530,7 @@ def check_conversational(run: Run, base: Run | None) -> None:
             assert isinstance(prompt, list) and prompt[0]["role"] == "user"
             ids = out["prompt_ids"][r][out["prompt_mask"][r].bool()].tolist()
             assert tok.decode(ids) == prompt[0]["content"] + "="  # the chat template's generation prompt
-    for entry in run.trainer.experience_buffer.questions.values():
+    for entry in run.trainer.exgrpo_state.buffer.questions.values():
         assert isinstance(entry.row["prompt"], list)  # stored as the conversation it was asked as
 
 
@@ -571,7 +571,7 @@ def check_none_rewards(run: Run, base: Run | None) -> None:
             assert batch["output"]["advantages"][r] == 0  # an unscorable row carries no signal
             unscorable_keys.add(question_key(batch["prompts"][r]))
     assert partial > 0 and unscorable_keys  # both kinds of None occurred
-    buffer = run.trainer.experience_buffer
+    buffer = run.trainer.exgrpo_state.buffer
     assert not unscorable_keys & (set(buffer.questions) | buffer.retired)  # never solved, never stored
 
 
@@ -617,7 +617,7 @@ def check_log_completions(run: Run, base: Run | None) -> None:
 def check_multi_turn(run: Run, base: Run | None) -> None:
     """Stored trajectories keep the tool's answer, masked out; a replayed row trains with its stored mask."""
     trainer = run.trainer
-    assert any(t.mask is not None for t in trainer.experience_buffer.iter_trajectories())
+    assert any(t.mask is not None for t in trainer.exgrpo_state.buffer.iter_trajectories())
     for batch in trainer.batches:
         plan, out = batch["plan"], batch["output"]
         assert "tool_mask" in out
@@ -775,7 +775,7 @@ def runs(tmp_path_factory, tokenizer):
     torch.set_num_threads(threads)
     print("\ncompatibility matrix: case | replayed groups | buffer questions / trajectories | seconds")
     for case_id, run in cache.items():
-        buffer = run.trainer.experience_buffer
+        buffer = run.trainer.exgrpo_state.buffer
         print(
             f"  {case_id} | {replayed_groups(run)} | {buffer.num_questions} / {buffer.num_trajectories} | "
             f"{RUN_TIMES[case_id]:.1f}"
@@ -837,4 +837,4 @@ def test_one_question_per_generation_batch_warns_that_replay_never_fires(
     replayed = sum(len(b["plan"].group_indices) for b in trainer.batches if b["plan"] is not None)
     assert (replayed > 0) == fires
     if overrides.get("replay_ratio", 0.5) > 0:
-        assert trainer.experience_buffer.num_trajectories > 0  # collected all along: only the replay never came
+        assert trainer.exgrpo_state.buffer.num_trajectories > 0  # collected all along: only the replay never came

@@ -85,10 +85,10 @@ def test_runtime_contract(tmp_path, tokenizer):
     assert isinstance(sampler, RepeatSampler) and sampler.num_samples == 48 and sampler.batch_size == 4
     trainer.model.train()
     inputs = [{"prompt": p, "always": False} for p in synthetic_dataset()["prompt"][:4] for _ in range(8)]
-    handed = []  # what the hooks handed on, as the run's `after_scoring` receives it
+    handed = []  # what the hooks handed on, as the run's `finish` receives it
     run = trainer.exgrpo_run
-    original_after = run.after_scoring
-    run.after_scoring = lambda batch, output, **kw: handed.append(batch) or original_after(batch, output, **kw)
+    original_finish = run.finish
+    run.finish = lambda batch, output, **kw: handed.append(batch) or original_finish(batch, output, **kw)
     output = trainer._generate_and_score_completions(inputs)
     assert {
         "prompt_ids",
@@ -100,9 +100,9 @@ def test_runtime_contract(tmp_path, tokenizer):
     } <= set(output)
     assert output["advantages"].shape == (32,)
     (batch,) = handed
-    assert batch.rewards.shape == (32, 1)  # gathered over ranks: (N_global, num reward funcs)
-    assert len(batch.completion_ids) == 32
-    assert run.batch is None  # dropped once scored
+    assert batch.scored.rewards.shape == (32, 1)  # gathered over ranks: (N_global, num reward funcs)
+    assert len(batch.scored.completion_ids) == 32
+    assert run.open_batch is None  # closed once scored
     captured = []
     original = GRPOTrainer._get_per_token_logps_and_entropies
 

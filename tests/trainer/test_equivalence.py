@@ -31,7 +31,7 @@ def test_replay_ratio_zero_is_grpo_bitwise(tmp_path, tokenizer, overrides):
     ex.train()
 
     # The bookkeeping really ran (the buffer collected), and it did not perturb training.
-    assert ex.experience_buffer.num_trajectories > 0
+    assert ex.exgrpo_state.buffer.num_trajectories > 0
     for (name, p_grpo), (_, p_ex) in zip(grpo.model.named_parameters(), ex.model.named_parameters()):
         assert torch.equal(p_grpo, p_ex), name
     reference = make_model(tokenizer)
@@ -154,7 +154,7 @@ def test_replay_ratio_zero_is_grpo_bitwise_multi_turn(tmp_path, monkeypatch, mod
     grpo, ex = runs
 
     # The bookkeeping ran on multi-turn trajectories (stored with their tool tokens masked out) ...
-    stored = list(ex.experience_buffer.iter_trajectories())
+    stored = list(ex.exgrpo_state.buffer.iter_trajectories())
     assert stored and any(t.mask is not None and not t.mask.all() for t in stored)
     # ... and did not perturb training.
     for (name, p_grpo), (_, p_ex) in zip(grpo.model.named_parameters(), ex.model.named_parameters()):

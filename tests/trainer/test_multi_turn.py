@@ -136,13 +136,13 @@ def check_replay(trainer, name: str) -> None:
         if "completion" in plan.record(j):
             assert scored["completions"][row] == plan.record(j)["completion"]  # with its tool calls and answers
         assert all(scored["inputs"][r]["prompt"] == plan.rows[j]["prompt"] for r in range(row, row + K))
-    for entry in trainer.experience_buffer.questions.values():
+    for entry in trainer.exgrpo_state.buffer.questions.values():
         for t in entry.trajectories:
             ids, mask = t.completion_ids.tolist(), t.model_mask()
             assert ids[-1] == tokenizer.eos_token_id and mask[-1] == 1  # the model ended it
             external = tokenizer.decode([i for i, m in zip(ids, mask) if m == 0])
             assert external == "".join(f"<tool>{r}<bot>" for r in _tool_answers(tokenizer.decode(ids)))
-    assert any(t.mask is not None for t in trainer.experience_buffer.iter_trajectories())  # with tool tokens
+    assert any(t.mask is not None for t in trainer.exgrpo_state.buffer.iter_trajectories())  # with tool tokens
     assert any(not torch.equal(p, trainer.initial[n]) for n, p in trainer.model.named_parameters())
     replay_loss = [h["exgrpo/replay/loss"] for h in trainer.state.log_history if "exgrpo/replay/loss" in h]
     assert replay_loss and all(math.isfinite(x) for x in replay_loss)
@@ -234,7 +234,7 @@ def test_train_with_multiple_environments(tmp_path):
         assert plan.record(j)["prompt"][0]["content"] == plan.rows[j]["prompt"][0]["content"] + f" {name[:3]}"
     assert replayed_environments == {"adder", "multiplier"}  # both kinds replayed
     assert trainer.rec["scoring"]  # candidates scored for entropy, each under its environment's prompt and tools
-    for key, entry in trainer.experience_buffer.questions.items():  # keyed by the dataset's prompt
+    for key, entry in trainer.exgrpo_state.buffer.questions.items():  # keyed by the dataset's prompt
         assert key == question_key(entry.row["prompt"])
 
 
@@ -286,7 +286,7 @@ def test_train_with_malformed_and_failing_tool_calls(tmp_path):
                 fails += sum(1 for m in completion if m["role"] == "tool" and "error" in m["content"])
         assert h["tools/failure_frequency"] == pytest.approx(fails / calls if calls else 0.0)
     assert malformed and failing
-    for t in trainer.experience_buffer.iter_trajectories():  # only the good call solves
+    for t in trainer.exgrpo_state.buffer.iter_trajectories():  # only the good call solves
         assert tokenizer.decode(t.completion_ids.tolist()).startswith("<call>add")
 
 
@@ -302,7 +302,7 @@ def test_train_with_rollout_func(tmp_path):
         assert scored["inputs"][row]["env_result"] == plan.rows[j]["answer"]
         assert scored["rewards"][row, 0].item() == 1.0
     # the buffer keeps the dataset row, not the fields the function added to it
-    assert all(set(e.row) == {"prompt", "answer"} for e in trainer.experience_buffer.questions.values())
+    assert all(set(e.row) == {"prompt", "answer"} for e in trainer.exgrpo_state.buffer.questions.values())
 
 
 # ------------------------------------------------------------------------------------------------ rejected
@@ -371,7 +371,7 @@ def test_calculator_task_replays_tool_trajectories_and_resumes_bitwise(tmp_path)
     tokenizer = straight.processing_class
     REPLAYED_GROUPS["calculator task, 24 steps"] = len(replayed(straight))
     assert len(replayed(straight)) >= 30
-    stored = list(straight.experience_buffer.iter_trajectories())
+    stored = list(straight.exgrpo_state.buffer.iter_trajectories())
     assert len(stored) >= 20
     for t in stored:  # every success went through the tool: its answer is in the trajectory, masked out
         assert t.mask is not None
@@ -485,7 +485,7 @@ def test_entropy_score_of_a_row_with_tool_tokens_by_hand(tmp_path):
         logits = trainer.model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float()
         entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)  # (19,)
     by_hand = entropy[torch.tensor(mask, dtype=torch.bool)].mean().item()
-    scored = trainer._exgrpo_mean_entropies([prompt, prompt], [completion, completion], [mask, None])
+    scored = trainer._exgrpo_score_entropies([prompt, prompt], [completion, completion], [mask, None])
     assert scored[0].item() == pytest.approx(by_hand, abs=1e-5)
     assert scored[1].item() == pytest.approx(entropy.mean().item(), abs=1e-5)  # no mask: every token
     assert abs(scored[0].item() - scored[1].item()) > 1e-3, scored  # the tool tokens' entropies were left out

@@ -84,7 +84,7 @@ def test_format_2_round_trip(tmp_path):
         for a, b in zip(buffer.questions[key].trajectories, restored.questions[key].trajectories):
             assert a.completion_ids.tolist() == b.completion_ids.tolist() and a.logps.tolist() == b.logps.tolist()
             assert (a.mask is None and b.mask is None) or a.mask.tolist() == b.mask.tolist()
-            assert a.record == b.record and a.step == b.step
+            assert a.record == b.record and a.collected_at == b.collected_at
     # the in-memory state_dict round trip as well
     arrays, meta = buffer.state_dict()
     again = ExperienceBuffer(8)
@@ -154,13 +154,13 @@ def test_collect_stores_only_what_the_model_ended():
     masks = [[1, 1], [1, 0, 1], [1, 1, 0], None]
     pending = collect(
         rows, outcome, completions, process_index=0, k=k, collecting=True, stop_ids={EOS},
-        micro_batches_left=1, step=0, masks=masks,
+        micro_batches_left=1, now=0, masks=masks,
     )  # fmt: skip
     assert sorted(pending.rows) == [1, 3]
     # ... whereas without masks row 2 (ending with 6, no stop token) was never a candidate either way
     assert sorted(collect(
         rows, outcome, [[5, EOS], [5, 6, EOS], [5, 6, EOS], [7, EOS]], process_index=0, k=k, collecting=True,
-        stop_ids={EOS}, micro_batches_left=1, step=0,
+        stop_ids={EOS}, micro_batches_left=1, now=0,
     ).rows) == [1, 2, 3]  # fmt: skip
 
 
@@ -172,6 +172,6 @@ def test_commit_keeps_masks_and_records():
             [StoredRow(1, "a", RECORD, [5, 6, EOS], [-1.0, -2.0, -3.0], [1, 0, 1])],
         )
     ]
-    commit(buffer, gathered, step=4, is_main_process=True, k=4)
+    commit(buffer, gathered, collected_at=4, is_main_process=True, k=4)
     (t,) = buffer.questions["a"].trajectories
-    assert t.mask.tolist() == [1, 0, 1] and t.record == RECORD and t.step == 4
+    assert t.mask.tolist() == [1, 0, 1] and t.record == RECORD and t.collected_at == 4

@@ -85,7 +85,8 @@ def test_every_fresh_group_of_a_question_with_a_usable_solution_gets_it_as_its_f
 def test_a_rejected_solution_is_never_used_again(luffy_run):
     dataset = offline_dataset()
     long_keys = {question_key(p) for p, s in zip(dataset["prompt"], dataset["solution"]) if s and s[0] == "1234567"}
-    assert luffy_run.offline_guide.rejected and luffy_run.offline_guide.rejected <= {(key, 0) for key in long_keys}
+    rejected = luffy_run.exgrpo_state.offline.rejected
+    assert rejected and rejected <= {(key, 0) for key in long_keys}
     for batch in luffy_run.batches:
         for key, index in batch["offline"].values():
             assert (key, index) not in batch["rejected_before"]
@@ -101,7 +102,7 @@ def test_offline_rows_are_never_stored_and_count_in_k(luffy_run, tokenizer):
         solved = [eos in out["completion_ids"][r, : int(n)].tolist() and n <= 6 for r, n in enumerate(lengths)]
         for group in range(len(solved) // K):
             latest_k[question_key(batch["prompts"][group * K])] = sum(solved[group * K : (group + 1) * K])
-    buffer = luffy_run.experience_buffer
+    buffer = luffy_run.exgrpo_state.buffer
     assert buffer.num_questions > 0
     for key, entry in buffer.questions.items():
         assert entry.k == latest_k[key]  # the offline row counted as a solved row of its group
@@ -124,7 +125,7 @@ def test_offline_metrics_are_logged(luffy_run):
     assert all(
         0 < h["exgrpo/offline/shaped_weight_mean"] < 1 for h in rows if "exgrpo/offline/shaped_weight_mean" in h
     )
-    assert rows[-1]["exgrpo/offline/rejected"] == len(luffy_run.offline_guide.rejected)
+    assert rows[-1]["exgrpo/offline/rejected"] == len(luffy_run.exgrpo_state.offline.rejected)
 
 
 def test_unsolved_rule_skips_questions_the_model_has_solved(tmp_path, tokenizer):
@@ -132,7 +133,7 @@ def test_unsolved_rule_skips_questions_the_model_has_solved(tmp_path, tokenizer)
     for batch in trainer.batches:
         for key, _ in batch["offline"].values():
             assert key not in batch["self_solved_before"] and key not in batch["before"]["retired"]
-    assert trainer.offline_guide.self_solved  # the model solved some questions itself: no guidance for them
+    assert trainer.exgrpo_state.offline.self_solved  # the model solved some questions itself: no guidance for them
 
 
 def test_init_checks(tmp_path, tokenizer):
@@ -157,7 +158,7 @@ def test_resume_with_offline_rows_is_bitwise(tmp_path, tokenizer):
 
     straight = _resumable(tmp_path / "straight", tokenizer, max_steps=10)
     straight.train()
-    guide = straight.offline_guide
+    guide = straight.exgrpo_state.offline
     assert guide.rejected and guide.self_solved
     assert any(batch["offline"] for batch in straight.batches[4:])  # offline rows after the first epoch too
     for step in (5, 9):
@@ -166,8 +167,8 @@ def test_resume_with_offline_rows_is_bitwise(tmp_path, tokenizer):
         resumed = _resumable(out, tokenizer, max_steps=10)
         resumed.train(resume_from_checkpoint=str(out / "out" / f"checkpoint-{step}"))
         assert all(torch.equal(p, q) for p, q in zip(straight.model.parameters(), resumed.model.parameters()))
-        assert state_of(resumed.experience_buffer) == state_of(straight.experience_buffer)
-        assert (resumed.offline_guide.rejected, resumed.offline_guide.self_solved) == (
+        assert state_of(resumed.exgrpo_state.buffer) == state_of(straight.exgrpo_state.buffer)
+        assert (resumed.exgrpo_state.offline.rejected, resumed.exgrpo_state.offline.self_solved) == (
             guide.rejected,
             guide.self_solved,
         )

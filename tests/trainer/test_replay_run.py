@@ -84,7 +84,7 @@ def test_buffer_grows_and_metrics_logged(replay_run):
     assert 0.0 <= history[-1]["exgrpo/replay/repeat_share"] <= 1.0
     # reuse: replays per distinct replayed question over the draws so far (fewer than the window's 50)
     drawn = [key for batch in replay_run.batches if batch["plan"] is not None for key in batch["plan"].keys]
-    assert replay_run.experience_buffer.reuse() == pytest.approx(len(drawn) / len(set(drawn)))
+    assert replay_run.exgrpo_state.buffer.reuse() == pytest.approx(len(drawn) / len(set(drawn)))
     assert history[-1]["exgrpo/replay/reuse"] >= 1.0
     assert 0.0 <= history[-1]["exgrpo/batch/fresh_all_fail"] <= 1.0
     assert history[-1]["exgrpo/buffer/questions"] == sum(history[-1][f"exgrpo/buffer/bucket_{b}"] for b in range(1, 8))
@@ -108,7 +108,8 @@ def test_reuse_limit_in_a_run(tmp_path, tokenizer):
         replayed += len(keys)
         previous = keys
     assert replayed >= 3
-    assert trainer.experience_buffer.cooldown == 1 and trainer.experience_buffer.draws == len(trainer.batches)
+    buffer = trainer.exgrpo_state.buffer  # a draw in every generation batch, on the run's clock
+    assert buffer.settings.replay_cooldown == 1 and [t for t, _ in buffer.recent] == list(range(len(trainer.batches)))
 
 
 def test_behaviour_logps_are_the_generating_policys(tmp_path, tokenizer):
@@ -117,7 +118,7 @@ def test_behaviour_logps_are_the_generating_policys(tmp_path, tokenizer):
     trainer = run(tmp_path, tokenizer, max_steps=3, learning_rate=0.0)
     model = trainer.model.eval()
     checked = 0
-    for entry in trainer.experience_buffer.questions.values():
+    for entry in trainer.exgrpo_state.buffer.questions.values():
         prompt_ids = tokenizer(entry.row["prompt"])["input_ids"]
         for t in entry.trajectories:
             ids = torch.tensor([prompt_ids + t.completion_ids.tolist()])
@@ -173,7 +174,7 @@ def test_grpo_with_retired_questions_skipped(tmp_path, tokenizer):
     # Without the switch nothing is skipped: the wrapper (there so that its place in the epochs is saved with
     # checkpoints) yields exactly TRL's sampler's indices, and never looks at the buffer's retired set.
     sampler = plain._get_train_sampler()
-    assert sampler.retired is not plain.experience_buffer.retired and not sampler.retired
+    assert sampler.retired is not plain.exgrpo_state.buffer.retired and not sampler.retired
     reference = GRPOTrainer._get_train_sampler(plain)
     assert type(reference) is RepeatSampler
     for epoch in range(2):
@@ -211,16 +212,16 @@ def test_delayed_start(tmp_path, tokenizer):
     assert active == expected and True in active and active[0] is False, (pass_at_1, active)
     switch = active.index(True)
     assert all(b["buffer_after"] == 0 for b in on.batches[:switch])  # nothing collected before the switch
-    assert on.experience_buffer.num_trajectories > 0 and on.exgrpo_state["replay_active"]
+    assert on.exgrpo_state.buffer.num_trajectories > 0 and on.exgrpo_state.replay_active
     off = run(tmp_path / "off", tokenizer, max_steps=3, replay_start_pass_rate=0.95)
     assert all(b["plan"] is None for b in off.batches)
-    assert off.experience_buffer.num_questions == 0 and not off.exgrpo_state["replay_active"]
+    assert off.exgrpo_state.buffer.num_questions == 0 and not off.exgrpo_state.replay_active
     assert [h["exgrpo/replay/active"] for h in off.state.log_history if "loss" in h] == [0.0] * 3
 
 
 def test_evaluation_never_replays_or_collects(tmp_path, tokenizer):
     trainer = run(tmp_path, tokenizer, max_steps=2, eval_strategy="no", per_device_eval_batch_size=16)
-    buffer = trainer.experience_buffer
+    buffer = trainer.exgrpo_state.buffer
     before = (buffer.num_questions, buffer.num_trajectories, set(buffer.retired), len(trainer.batches))
     metrics = trainer.evaluate(synthetic_dataset(n=8))
     assert (buffer.num_questions, buffer.num_trajectories, set(buffer.retired), len(trainer.batches)) == before
@@ -265,16 +266,18 @@ def test_spliced_rows_are_not_generated(tmp_path, tokenizer, monkeypatch, backen
     for name, value in backend.items():
         setattr(trainer, name, value)
     prompts = [[10], [11], [12], [13]]  # one marker token per row
-    trainer.exgrpo_run.batch = GenerationBatch(None, RowAssignment([{}] * 4, [0, -1, -1, 1], {0: [7, 7, 7], 3: [8]}))
-    ids, logprobs = trainer._generate_single_turn(prompts, None, {}, 8)
+    batch = GenerationBatch(0, None, RowAssignment([{}] * 4, [0, -1, -1, 1], {0: [7, 7, 7], 3: [8]}))
+    with trainer.exgrpo_run.opened(batch):
+        ids, logprobs = trainer._generate_single_turn(prompts, None, {}, 8)
     assert seen == [[10 + i for i in generated]]
     assert ids == [[7, 7, 7], [11, 2], [12, 2], [8]]
     assert logprobs == [[None] * 3, [-1.1, -0.2], [-1.2, -0.2], [None]]
 
     # a rank whose rows are all spliced still generates (ZeRO-3's synced decoding needs every rank in `generate`)
     seen.clear()
-    trainer.exgrpo_run.batch = GenerationBatch(None, RowAssignment([{}] * 4, [0, 1, 2, 3], {i: [7] for i in range(4)}))
-    trainer._generate_single_turn(prompts, None, {}, 8)
+    batch = GenerationBatch(0, None, RowAssignment([{}] * 4, [0, 1, 2, 3], {i: [7] for i in range(4)}))
+    with trainer.exgrpo_run.opened(batch):
+        trainer._generate_single_turn(prompts, None, {}, 8)
     assert seen == [[10, 11, 12, 13]]
 
 
@@ -289,7 +292,8 @@ def test_every_training_row_carries_the_exgrpo_metrics_and_counts_are_gauges(tmp
     class AtLog(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):  # right after the row is made
             if "loss" in logs:
-                seen.append((logs, trainer.experience_buffer.num_questions, len(trainer.experience_buffer.retired)))
+                buffer = trainer.exgrpo_state.buffer
+                seen.append((logs, buffer.num_questions, len(buffer.retired)))
 
     trainer = make_trainer(tmp_path, tokenizer, callbacks=[AtLog()], steps_per_generation=2, max_steps=6,
                            replay_start_pass_rate=None)  # fmt: skip

@@ -4,6 +4,7 @@ GRPOTrainer, replayed rows carrying their question's image, and a resume with im
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -11,6 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from exgrpo_trl.buffer import ExperienceBuffer, Trajectory, image_digest, question_key, row_key
 from exgrpo_trl.checks import IMAGE_MULTI_TURN, IMAGE_VLLM
@@ -167,14 +169,15 @@ def test_replayed_rows_carry_their_question_image(tmp_path):
     trainer = vlm_trainer(tmp_path, replay_start_pass_rate=0.0, steps_per_generation=1, max_steps=6)
     run = trainer.exgrpo_run
     seen = []
-    assign = run.assign_rows
+    generation_batch = run.generation_batch
 
-    def recorded(inputs, plan):
-        rows = assign(inputs, plan)
-        seen.append((plan, [dict(x) for x in rows.inputs]))
-        return rows
+    @contextlib.contextmanager
+    def recorded(inputs, score):
+        with generation_batch(inputs, score) as batch:
+            seen.append((batch.plan, [dict(x) for x in batch.rows.inputs]))
+            yield batch
 
-    run.assign_rows = recorded
+    run.generation_batch = recorded
     trainer.train()
     replayed = [(plan, rows) for plan, rows in seen if plan is not None]
     assert replayed, "nothing was replayed"
@@ -183,7 +186,7 @@ def test_replayed_rows_carry_their_question_image(tmp_path):
             group_rows = rows[group * K : (group + 1) * K]
             assert {row_key(r) for r in group_rows} == {plan.keys[j]}
             assert all(r["image"] is not None for r in group_rows)
-    assert all(row_key(e.row) == key for key, e in trainer.experience_buffer.questions.items())
+    assert all(row_key(e.row) == key for key, e in trainer.exgrpo_state.buffer.questions.items())
 
 
 def test_resume_with_images_in_the_buffer_is_bitwise(tmp_path):
@@ -199,8 +202,8 @@ def test_resume_with_images_in_the_buffer_is_bitwise(tmp_path):
     assert resumed.state.global_step == 6
     for (name, a), (_, b) in zip(straight.model.named_parameters(), resumed.model.named_parameters()):
         assert torch.equal(a, b), name
-    assert list(resumed.experience_buffer.questions) == list(straight.experience_buffer.questions)
-    assert resumed.experience_buffer.num_trajectories == straight.experience_buffer.num_trajectories
+    assert list(resumed.exgrpo_state.buffer.questions) == list(straight.exgrpo_state.buffer.questions)
+    assert resumed.exgrpo_state.buffer.num_trajectories == straight.exgrpo_state.buffer.num_trajectories
 
 
 def test_a_vlm_checkpoint_holds_the_names_it_is_resumed_with(tmp_path):
@@ -209,7 +212,7 @@ def test_a_vlm_checkpoint_holds_the_names_it_is_resumed_with(tmp_path):
     from safetensors.torch import load_file
     from transformers import Qwen2VLForConditionalGeneration
 
-    from exgrpo_trl.trainer import _own_key_names
+    from exgrpo_trl.compat import own_key_names as _own_key_names
 
     model, _ = build_tiny_vlm()
     model.save_pretrained(tmp_path / "plain")
@@ -281,8 +284,12 @@ def test_lora_on_a_vlm_replays_with_images(tmp_path):
     )  # fmt: skip
     frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
     plans = []
-    make_plan = trainer.exgrpo_run.make_plan
-    trainer.exgrpo_run.make_plan = lambda *a: plans.append(make_plan(*a)) or plans[-1]
+
+    class Plans(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            plans.append(trainer.exgrpo_run.last_plan)
+
+    trainer.add_callback(Plans())
     trainer.train()
     assert any(plan is not None for plan in plans)
     assert all(torch.equal(p, frozen[n]) for n, p in trainer.model.named_parameters() if n in frozen)

@@ -310,9 +310,9 @@ def run_exgrpo(mode: str, work: Path) -> dict:
             "batches": trainer.batches,
             "initial_logprobs": initial,
             "buffer": {
-                "questions": trainer.experience_buffer.num_questions,
-                "trajectories": trainer.experience_buffer.num_trajectories,
-                "retired": len(trainer.experience_buffer.retired),
+                "questions": trainer.exgrpo_state.buffer.num_questions,
+                "trajectories": trainer.exgrpo_state.buffer.num_trajectories,
+                "retired": len(trainer.exgrpo_state.buffer.retired),
             },
             "log_history": trainer.state.log_history,
             "timings": timings,
