@@ -361,6 +361,8 @@ class ExGRPORun:
         reuse = state.buffer.reuse() if collecting and state.settings.replays and state.ranks.is_main_process else None
         if reuse is not None:  # the main process draws: only its buffer knows the recent draws
             metrics["replay/reuse"] = reuse
+        if plan is not None and plan.with_trajectories:  # generation batches since each was collected: one subtraction
+            metrics["replay/age"] = sum(plan.clock - c for c in plan.collected_at) / len(plan.collected_at)
         if plan is not None and plan.selected_entropies:
             metrics["replay/selected_entropy"] = sum(plan.selected_entropies) / len(plan.selected_entropies)
         state.add_metrics(self.metrics, metrics)

@@ -113,13 +113,13 @@ def test_one_generation_batch_by_hand():
 
 def test_one_clock_stamps_trajectories_and_ages_them():
     """The state's clock counts generation batches: five made before this one, whose plan is for batch 5; Q's
-    candidates were stored in batch 0 (make_run), and the trajectories this batch stores are stamped 5; the clock then
-    reads 6."""
+    candidates were stored in batch 0 (make_run), so the replayed one is 5 - 0 = 5 batches old (`replay/age`), and
+    the trajectories this batch stores are stamped 5; the clock then reads 6."""
     run = make_run()
     run.state.clock = 5
     batch, output = one_batch(run)
     assert (batch.clock, batch.plan.clock, batch.plan.collected_at) == (5, 5, [0])
-    assert run.state.clock == 6
+    assert run.metrics[METRIC_PREFIX + "replay/age"] == [5.0] and run.state.clock == 6
     run.record_behaviour(output, torch.full(output["completion_ids"].shape, -0.25))
     assert [t.collected_at for t in run.state.buffer.questions[question_key("P1")].trajectories] == [5]
     assert run.state.buffer.replayed_at == {question_key(Q): 5}  # the reuse limit counts in the same unit
