@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 
 METRIC_PREFIX = "exgrpo/"
 GAUGES = ("replay/active", "offline/rejected")  # logged as their value, never a window mean
+MAIN_ONLY = ("replay/reuse",)  # figures the main process alone computes (only its buffer knows the recent draws)
 
 
 class BatchKey:
@@ -187,17 +188,27 @@ class ExGRPORun:
 
     # ------------------------------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The switches, the sampler's place and the offline guide's verdicts (the buffer is saved beside them)."""
+        """The switches, the sampler's place, the offline guide's verdicts and the latest figures (the buffer is saved
+        beside them), and the number of processes that saved it: a checkpoint is complete when each of them wrote its
+        own files (`checkpoints.checkpoint_problems`)."""
         state = dict(self.switches)
         if self.sampler is not None:
             state["sampler"] = self.sampler.state_dict()
         offline = self.offline.state_dict()
         if offline is not None:
             state["offline"] = offline
+        # the log rows after a resume carry them as the uninterrupted run's do (`fill_log`)
+        state["latest"] = dict(self.latest)
+        state["num_processes"] = self.ranks.num_processes
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.switches.update({k: v for k, v in state.items() if k not in ("sampler", "sampler_passes", "offline")})
+        """Read back what `state_dict` saved; a state saved by an older version (no latest figures, no sampler state,
+        no number of processes) loads too. The number of processes is the saving run's, not restored."""
+        not_switches = ("sampler", "sampler_passes", "offline", "latest", "num_processes")
+        self.switches.update({k: v for k, v in state.items() if k not in not_switches})
+        latest = state.get("latest") or {}  # the main process's: the others never had its own figures
+        self.latest.update({k: v for k, v in latest.items() if self.ranks.is_main_process or k not in MAIN_ONLY})
         self.offline.load_state_dict(state.get("offline", {}))
         if self.sampler is not None:
             # checkpoints before the sampler's state was saved hold the current epoch's passes only
@@ -482,7 +493,7 @@ class ExGRPORun:
         if plan is not None:
             figures["replay/repeat_share"] = plan.repeat_share
         reuse = self.buffer.reuse() if collecting and self.cfg.replays and self.ranks.is_main_process else None
-        if reuse is not None:  # the main process draws: only its buffer knows the recent draws
+        if reuse is not None:  # the main process draws: only its buffer knows the recent draws (MAIN_ONLY)
             figures["replay/reuse"] = reuse
         if plan is not None and plan.selected_entropies:
             figures["replay/selected_entropy"] = sum(plan.selected_entropies) / len(plan.selected_entropies)
