@@ -142,7 +142,8 @@ class ExGRPOTrainer(GRPOTrainer):
                                                                                      our own rotation
     ``_load_optimizer_and_scheduler``     restore a checkpoint                       ``restore``
     ``_issue_warnings_after_load``        report keys a checkpoint lacks             tied weights are not "missing"
-    ``_run_epoch``                        train one epoch                            nothing past ``max_steps``
+    ``_run_epoch``                        train one epoch                            nothing past ``max_steps``;
+                                                                                     the sampler told the epoch
     ``create_model_card``                 write the model card                       an ExGRPO section
     ``log``                               write one log row                          ``fill_log``: every ExGRPO
                                                                                      metric on every training row
@@ -475,6 +476,11 @@ class ExGRPOTrainer(GRPOTrainer):
         limit = self.args.save_total_limit
         with swapped(self.args, save_total_limit=None), _own_key_names(self.model):
             super()._save_checkpoint(model, trial)
+        # Every rank writes files of its own (its RNG state; under DeepSpeed its partitions), and nothing in
+        # super() waits for them: rotating before they are all written could delete the older complete checkpoints
+        # while the new one is still incomplete (with save_total_limit 1, all of them). Every rank saves, so every
+        # rank reaches this barrier (a no-op on one process).
+        self.accelerator.wait_for_everyone()
         if self.args.should_save:
             rotate_checkpoints(
                 run_dir,
@@ -490,6 +496,13 @@ class ExGRPOTrainer(GRPOTrainer):
         if self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps:
             self.control.should_training_stop = True
             return None
+        # The sampler is told the epoch here, not through the dataloader: resumed inside an epoch on several
+        # processes, accelerate's skip_first_batches wraps the batch sampler once more (SkipBatchSampler around
+        # BatchSamplerShard around the BatchSampler), and neither accelerate's set_epoch nor transformers' reaches
+        # that deep; the sampler then counted from epoch 0 and dropped the saved passes of the epoch it resumed in.
+        if self.exgrpo_run.sampler is not None:
+            epoch = inspect.signature(super()._run_epoch).bind(*args, **kwargs).arguments["epoch"]
+            self.exgrpo_run.sampler.set_epoch(epoch)
         return super()._run_epoch(*args, **kwargs)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
