@@ -116,7 +116,8 @@ def build(out: Path, args, max_steps: int, break_padding: bool = False) -> Recor
         reward, extra = colour_reward, {}
     else:
         tokenizer = build_char_tokenizer()
-        model, dataset, reward = make_model(tokenizer), synthetic_dataset(n=24, always_every=6), make_reward(tokenizer)
+        dataset = synthetic_dataset(n=args.questions, always_every=args.always_every)
+        model, reward = make_model(tokenizer), make_reward(tokenizer)
         extra = {}
         if args.offline:  # a 2-character solution (solved), every fourth a 7-character one (rejected)
             solutions = [["1234567"] if i % 4 == 1 else ["12"] for i in range(len(dataset))]
@@ -182,6 +183,8 @@ def main() -> int:
     parser.add_argument("--max-steps", type=int, default=8)
     parser.add_argument("--save-steps", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--questions", type=int, default=24, help="questions in the synthetic dataset")
+    parser.add_argument("--always-every", type=int, default=6, help="every Nth question is always solved")
     parser.add_argument("--expect", choices=["ddp", "zero3"], required=True)
     parser.add_argument("--uneven", action="store_true", help="call _exgrpo_score_entropies with uneven counts")
     parser.add_argument("--resume", action="store_true", help="resume a second trainer from the last checkpoint")
