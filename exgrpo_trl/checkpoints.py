@@ -126,10 +126,18 @@ def _deepspeed_tag(path: Path, names: set[str]) -> tuple[str | None, str | None]
     return tag, None
 
 
+def _listing(folder: Path) -> list[str]:
+    """The names in `folder`; none when it is gone (a checkpoint deleted while it is looked at)."""
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
+
+
 def _zero_ranks(folder: Path) -> dict[tuple[str, int], set[int]]:
     """DeepSpeed's partition files in `folder`: (model or optim, model-parallel rank) -> data-parallel ranks."""
     ranks: dict[tuple[str, int], set[int]] = {}
-    for name in os.listdir(folder):
+    for name in _listing(folder):
         if match := ZERO_FILE.fullmatch(name):
             ranks.setdefault((match[3], int(match[2])), set()).add(int(match[1]))
     return ranks
@@ -143,7 +151,7 @@ def _deepspeed_problems(path: Path, names: set[str], world: int) -> list[str]:
         return [why]
     folder = path / tag
     problems = []
-    for name in sorted(os.listdir(folder)):
+    for name in sorted(_listing(folder)):
         if name.endswith(".pt") and (why := _unreadable_file(folder / name)):
             problems.append(f"{tag}/{name} is {why}")
     ranks = _zero_ranks(folder)
@@ -183,10 +191,12 @@ def writer_world_size(path: str | os.PathLike, recorded: int | None = None) -> i
     and at least 2 when any ``rng_state_{i}.pth`` is there (a one-process run writes ``rng_state.pth``). Without a
     record, the last ranks' files missing altogether cannot be told from a smaller run (2 ranks can: rank 0's file
     has the name of a run of several)."""
+    return _world_size(Path(path), set(_listing(Path(path))), recorded)
+
+
+def _world_size(path: Path, names: set[str], recorded: int | None) -> int:
     if recorded is not None:
         return recorded
-    path = Path(path)
-    names = set(os.listdir(path))
     world = 1
     rng_ranks = [int(m[1]) for n in names if (m := RNG_RANK.fullmatch(n))]
     if rng_ranks:
@@ -265,7 +275,7 @@ def checkpoint_problems(
     state_problem, recorded = _exgrpo_state_problem(path, names)
     problems = [state_problem, _model_problem(path, names, deepspeed)]
     if need_optimizer:
-        world = writer_world_size(path, recorded)
+        world = _world_size(path, names, recorded)
         problems += _optimizer_problems(path, names, deepspeed, world)
         problems += _rng_problems(path, names, world)
     problems.append(_trainer_state_problem(path, names))
