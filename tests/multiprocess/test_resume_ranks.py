@@ -55,7 +55,7 @@ def zero3_resumed(tmp_path_factory):
     return _resumed(tmp_path_factory, "zero3")
 
 
-# One launch: ~15 s under DDP, ~25 s under ZeRO-3 on a busy 2-core machine (DeepSpeed's start is the slow part).
+# One launch, on a busy 2-core machine: 12-18 s under DDP, 19-76 s under ZeRO-3 (DeepSpeed's start is the slow part).
 RUNS = ["ddp_resumed", pytest.param("zero3_resumed", marks=pytest.mark.slow)]
 
 
