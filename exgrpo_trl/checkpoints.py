@@ -5,15 +5,24 @@ depends on the moment, because a checkpoint is written in this order:
 
 1. ``exgrpo_state/`` (ExGRPOTrainer, under a temporary name ``.exgrpo_state.tmp-PID`` renamed into place);
 2. the model weights (``model.safetensors``, or shards and their index, or a LoRA adapter);
-3. ``optimizer.pt``, ``scheduler.pt`` (or DeepSpeed's ``global_step*/``), the RNG states;
+3. ``optimizer.pt``, ``scheduler.pt`` (or DeepSpeed's ``latest`` and ``global_step*/``), the RNG states;
 4. ``trainer_state.json``; with TRL's ``use_adaptive_entropy``, ``entropy_ctrl_state.json`` after it.
 
 `checkpoint_problems` tells a complete checkpoint from an incomplete one by checking each of these is present and
 readable, cheaply (headers and JSON, not the weights): a checkpoint is complete when it has model weights, an
-optimizer and scheduler (unless the run saves the model only), a ``trainer_state.json`` that parses, and an ExGRPO
-state that state.py's readers accept. A checkpoint without ``exgrpo_state/`` and without a leftover temporary one
-was written by plain GRPO: it counts as complete, and the trainer warns on resume that the experience buffer starts
-empty. A leftover ``.exgrpo_state.tmp-PID`` is never read: it only tells that the ExGRPO state was never finished.
+optimizer and scheduler (unless the run saves the model only), every rank's RNG state, a ``trainer_state.json`` that
+parses, and an ExGRPO state that state.py's readers accept. A checkpoint without ``exgrpo_state/`` and without a
+leftover temporary one was written by plain GRPO: it counts as complete, and the trainer warns on resume that the
+experience buffer starts empty. A leftover ``.exgrpo_state.tmp-PID`` is never read: it only tells that the ExGRPO
+state was never finished.
+
+Several processes. The main process writes all of the above but the per-rank files: each rank writes its own RNG
+state (``rng_state_{rank}.pth``; a one-process run writes ``rng_state.pth``) and, under DeepSpeed, its own partitions
+in ``global_step*/`` (``zero_pp_rank_{rank}_mp_rank_*_{model,optim}_states.pt``). Nothing waits for the other ranks
+before ``trainer_state.json``: a rank killed while it writes its own file leaves a checkpoint whose
+``trainer_state.json`` the main process finished. So each rank's files must be there and readable, for every rank of
+the run that wrote the checkpoint: as many as the ExGRPO state records (``num_processes``), or for a checkpoint that
+records none (plain GRPO, older versions), as many as its per-rank files name (at least 2 when there is any).
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import zipfile
 from collections.abc import Callable, Iterable
@@ -41,6 +51,11 @@ WEIGHT_NAMES = ("model.safetensors", "pytorch_model.bin", "adapter_model.safeten
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 STATE_TMP_PREFIX = f".{STATE_DIRNAME}.tmp-"  # state.save_state's temporary folder
 CHECKPOINT_PREFIX = "checkpoint-"
+RNG_NAME = "rng_state.pth"  # transformers' RNG state of a one-process run
+RNG_RANK = re.compile(r"rng_state_(\d+)\.pth")  # ... and of each rank of a run of several
+DEEPSPEED_TAG_FILE = "latest"  # DeepSpeed's file naming the folder it resumes from (global_stepN)
+# DeepSpeed's per-rank partition files (ZeRO-3 partitions the model states too; bf16_ for its bf16 optimizer)
+ZERO_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_(model|optim)_states\.pt")
 
 
 def _unreadable_file(path: Path) -> str | None:
@@ -80,9 +95,124 @@ def _model_problem(path: Path, names: set[str], deepspeed: bool) -> str | None:
     return "no model weights (model.safetensors, pytorch_model.bin, a sharded index or an adapter)"
 
 
-def _optimizer_problems(path: Path, names: set[str], deepspeed: bool) -> list[str]:
-    if deepspeed:  # DeepSpeed keeps optimizer and scheduler in global_step*/ and loads them itself
+def _ranks_text(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    runs: list[list[int]] = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
+def _missing_text(what: str, missing: list[int], world: int) -> str:
+    """'no rng_state_1.pth (rank 1 of 2)', or for several 'no rng_state_{rank}.pth of ranks 0-7 (of 8)'."""
+    if len(missing) == 1:
+        return f"no {what.format(rank=missing[0])} (rank {missing[0]} of {world})"
+    return f"no {what} of ranks {_ranks_text(missing)} (of {world})"
+
+
+def _deepspeed_tag(path: Path, names: set[str]) -> tuple[str | None, str | None]:
+    """(the ``global_stepN`` folder DeepSpeed resumes from, None) or (None, why there is none)."""
+    if DEEPSPEED_TAG_FILE not in names:
+        return None, f"no {DEEPSPEED_TAG_FILE} (DeepSpeed's tag file)"
+    try:
+        tag = (path / DEEPSPEED_TAG_FILE).read_text(encoding="utf-8").strip()
+    except (OSError, ValueError) as e:
+        return None, f"{DEEPSPEED_TAG_FILE} is unreadable ({e})"
+    if not tag or os.sep in tag or not (path / tag).is_dir():
+        return None, f"{DEEPSPEED_TAG_FILE} names {tag!r}, which is no folder of the checkpoint"
+    return tag, None
+
+
+def _listing(folder: Path) -> list[str]:
+    """The names in `folder`; none when it is gone (a checkpoint deleted while it is looked at)."""
+    try:
+        return os.listdir(folder)
+    except OSError:
         return []
+
+
+def _zero_ranks(folder: Path) -> dict[tuple[str, int], set[int]]:
+    """DeepSpeed's partition files in `folder`: (model or optim, model-parallel rank) -> data-parallel ranks."""
+    ranks: dict[tuple[str, int], set[int]] = {}
+    for name in _listing(folder):
+        if match := ZERO_FILE.fullmatch(name):
+            ranks.setdefault((match[3], int(match[2])), set()).add(int(match[1]))
+    return ranks
+
+
+def _deepspeed_problems(path: Path, names: set[str], world: int) -> list[str]:
+    """DeepSpeed's part of a checkpoint: ``latest`` names a folder, every ``.pt`` file in it is readable, and every
+    data-parallel rank wrote its partitions (for each kind and model-parallel rank that any rank wrote)."""
+    tag, why = _deepspeed_tag(path, names)
+    if tag is None:
+        return [why]
+    folder = path / tag
+    problems = []
+    for name in sorted(_listing(folder)):
+        if name.endswith(".pt") and (why := _unreadable_file(folder / name)):
+            problems.append(f"{tag}/{name} is {why}")
+    ranks = _zero_ranks(folder)
+    model_parallel = len({mp for _, mp in ranks}) or 1
+    data_parallel = max(world // model_parallel, max((max(r) + 1 for r in ranks.values()), default=0))
+    for (kind, mp), present in sorted(ranks.items()):
+        missing = sorted(set(range(data_parallel)) - present)
+        if missing:
+            what = f"{tag}/zero_pp_rank_{{rank}}_mp_rank_{mp:02d}_{kind}_states.pt"
+            problems.append(_missing_text(what, missing, data_parallel))
+    return problems
+
+
+def _rng_problems(path: Path, names: set[str], world: int) -> list[str]:
+    """Each rank's RNG state present and readable: ``rng_state.pth`` for a one-process run, else ``rng_state_{i}.pth``
+    for every rank i (transformers' `_save_rng_state`)."""
+    if world <= 1:
+        if RNG_NAME not in names:
+            return [f"no {RNG_NAME}"]
+        why = _unreadable_file(path / RNG_NAME)
+        return [f"{RNG_NAME} is {why}"] if why else []
+    problems, missing = [], []
+    for rank in range(world):
+        name = f"rng_state_{rank}.pth"
+        if name not in names:
+            missing.append(rank)
+        elif why := _unreadable_file(path / name):
+            problems.append(f"{name} is {why}")
+    if missing:
+        problems.insert(0, _missing_text("rng_state_{rank}.pth", missing, world))
+    return problems
+
+
+def writer_world_size(path: str | os.PathLike, recorded: int | None = None) -> int:
+    """How many processes wrote the checkpoint at `path`: `recorded` (the ExGRPO state's ``num_processes``) when
+    given, else what its per-rank files say: the highest rank named by an RNG state or a DeepSpeed partition, plus 1,
+    and at least 2 when any ``rng_state_{i}.pth`` is there (a one-process run writes ``rng_state.pth``). Without a
+    record, the last ranks' files missing altogether cannot be told from a smaller run (2 ranks can: rank 0's file
+    has the name of a run of several)."""
+    return _world_size(Path(path), set(_listing(Path(path))), recorded)
+
+
+def _world_size(path: Path, names: set[str], recorded: int | None) -> int:
+    if recorded is not None:
+        return recorded
+    world = 1
+    rng_ranks = [int(m[1]) for n in names if (m := RNG_RANK.fullmatch(n))]
+    if rng_ranks:
+        world = max(2, max(rng_ranks) + 1)
+    for name in names:
+        if name.startswith("global_step") and (path / name).is_dir():
+            ranks = _zero_ranks(path / name)
+            if ranks:
+                data_parallel = max(max(r) + 1 for r in ranks.values())
+                world = max(world, data_parallel * len({mp for _, mp in ranks}))
+    return world
+
+
+def _optimizer_problems(path: Path, names: set[str], deepspeed: bool, world: int) -> list[str]:
+    if deepspeed:  # DeepSpeed keeps optimizer and scheduler in global_step*/ and loads them itself
+        return _deepspeed_problems(path, names, world)
     problems = []
     present = [n for n in OPTIMIZER_NAMES if n in names]
     if present:
@@ -112,34 +242,42 @@ def _trainer_state_problem(path: Path, names: set[str]) -> str | None:
     return _json_problem(path, names, TRAINER_STATE_NAME, "global_step")
 
 
-def _exgrpo_state_problem(path: Path, names: set[str]) -> str | None:
+def _exgrpo_state_problem(path: Path, names: set[str]) -> tuple[str | None, int | None]:
+    """(why the ExGRPO state cannot be read or None, the number of processes it records or None)."""
     if STATE_DIRNAME in names:
         try:
             meta = read_meta(path)
             read_small_arrays(path, meta, ("lengths", "steps"))  # checks the arrays file's header against state.json
         except StateFileError as e:
-            return f"unreadable ExGRPO state ({e})"
-        return None
+            return f"unreadable ExGRPO state ({e})", None
+        return None, meta["trainer"].get("num_processes")
     leftovers = sorted(n for n in names if n.startswith(STATE_TMP_PREFIX))
     if leftovers:
-        return f"an unfinished ExGRPO state ({leftovers[0]}) and no {STATE_DIRNAME}/"
-    return None  # plain GRPO: complete here, the trainer warns on resume
+        return f"an unfinished ExGRPO state ({leftovers[0]}) and no {STATE_DIRNAME}/", None
+    return None, None  # plain GRPO: complete here, the trainer warns on resume
 
 
 def checkpoint_problems(
     path: str | os.PathLike, *, need_optimizer: bool = True, adaptive_entropy: bool = False
 ) -> list[str]:
     """Why `path` cannot be resumed from, one short phrase per problem, in the order the checkpoint is written
-    (empty: complete). `need_optimizer=False` for runs that save the model only (``save_only_model``);
-    `adaptive_entropy` for runs with TRL's ``use_adaptive_entropy`` (its coefficient is saved after the rest)."""
+    (empty: complete). `need_optimizer=False` for runs that save the model only (``save_only_model``: no optimizer,
+    no RNG states); `adaptive_entropy` for runs with TRL's ``use_adaptive_entropy`` (its coefficient is saved after
+    the rest). Each rank's files are checked for every rank of the run that wrote it (`writer_world_size`).
+
+    Every rank of a run calls this on the same files (`resolve_checkpoint`) and reads nothing else: no random
+    choice, no clock, no state of its own, so every rank judges every checkpoint alike."""
     path = Path(path)
     if not path.is_dir():
         return ["not a folder"]
     names = set(os.listdir(path))
     deepspeed = any(n.startswith("global_step") and (path / n).is_dir() for n in names)
-    problems = [_exgrpo_state_problem(path, names), _model_problem(path, names, deepspeed)]
+    state_problem, recorded = _exgrpo_state_problem(path, names)
+    problems = [state_problem, _model_problem(path, names, deepspeed)]
     if need_optimizer:
-        problems += _optimizer_problems(path, names, deepspeed)
+        world = _world_size(path, names, recorded)
+        problems += _optimizer_problems(path, names, deepspeed, world)
+        problems += _rng_problems(path, names, world)
     problems.append(_trainer_state_problem(path, names))
     if adaptive_entropy:
         problems.append(_json_problem(path, names, ENTROPY_STATE_NAME))

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 METRIC_PREFIX = "exgrpo/"
 VALUE_METRICS = ("replay/active", "offline/rejected")  # logged as their value, never a window mean
+MAIN_ONLY = ("replay/reuse",)  # metrics the main process alone computes (only its buffer knows the recent draws)
 
 
 def _same(value):
@@ -105,19 +106,27 @@ class ExGRPOState:
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint holds beside the buffer: whether replay is on, the clock, the sampler's place and the
-        offline guide's verdicts."""
+        """What a checkpoint holds beside the buffer: whether replay is on, the clock, the sampler's place, the offline
+        guide's verdicts, the latest metrics (the log rows after a resume carry them as the uninterrupted run's do),
+        and the number of processes that saved it (a checkpoint is complete when each of them wrote its own files:
+        `checkpoints.checkpoint_problems`)."""
         state: dict[str, Any] = {"replay_active": self.replay_active, "generation_batches": self.clock}
         if self.sampler is not None:
             state["sampler"] = self.sampler.state_dict()
         offline = self.offline.state_dict()
         if offline is not None:
             state["offline"] = offline
+        state["latest"] = dict(self.latest)
+        state["num_processes"] = self.ranks.num_processes
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Read back what `state_dict` saved; a state saved by an older version (no latest metrics, no sampler state,
+        no number of processes) loads too. The number of processes is the saving run's, not restored."""
         self.replay_active = bool(state.get("replay_active", self.replay_active))
         self.clock = int(state.get("generation_batches", self.clock))
+        latest = state.get("latest") or {}  # the main process's: the others never had its own metrics
+        self.latest.update({k: v for k, v in latest.items() if self.ranks.is_main_process or k not in MAIN_ONLY})
         self.offline.load_state_dict(state.get("offline", {}))
         if self.sampler is not None:
             # checkpoints before the sampler's state was saved hold the current epoch's passes only
@@ -177,6 +186,11 @@ class ExGRPOState:
             f"ExGRPO: seeded the experience buffer from {path}: {report.questions} questions, "
             f"{report.trajectories} trajectories, {how}."
         )
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the trainer is about to draw, for the sampler (whatever wraps it)."""
+        if self.sampler is not None:
+            self.sampler.set_epoch(epoch)
 
     def wrap_sampler(self, inner, dataset) -> SkipRetiredSampler:
         """TRL's sampler over `dataset`, wrapped so that retired questions are skipped and its place is saved (with

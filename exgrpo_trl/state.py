@@ -490,6 +490,7 @@ _KINDS = {  # how a field's expected kind is named in messages -> the test
     "a boolean": lambda v: isinstance(v, bool),
     "an integer": _is_int,
     "a non-negative integer": lambda v: _is_int(v) and v >= 0,
+    "a positive integer": lambda v: _is_int(v) and v > 0,
     "a number": lambda v: _is_int(v) or isinstance(v, float),
     "an integer or null": lambda v: v is None or _is_int(v),
     "an object or null": lambda v: v is None or isinstance(v, dict),
@@ -583,6 +584,9 @@ def _check_shape(path: Path, meta: dict[str, Any]) -> None:
     trainer = meta["trainer"]
     _field(path, trainer, "replay_active", "trainer", "a boolean", optional=True)
     _field(path, trainer, "generation_batches", "trainer", "a non-negative integer", optional=True)
+    _field(path, trainer, "num_processes", "trainer", "a positive integer", optional=True)  # newer checkpoints
+    for name, value in (_field(path, trainer, "latest", "trainer", "an object", optional=True) or {}).items():
+        _expect(path, f"trainer.latest.{name}", value, "a number")  # the latest figures (newer checkpoints)
     passes = _field(path, trainer, "sampler_passes", "trainer", "an array", optional=True)  # older checkpoints
     _check_passes(path, passes, "sampler_passes")
     sampler = _field(path, trainer, "sampler", "trainer", "an object", optional=True)

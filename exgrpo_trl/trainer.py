@@ -85,7 +85,7 @@ class ExGRPOTrainer(GRPOTrainer):
     - ``_save_checkpoint`` (write a checkpoint): ``run.flush`` and ``state.save`` first; our own rotation;
     - ``_load_optimizer_and_scheduler`` (restore a checkpoint): ``state.restore``;
     - ``_issue_warnings_after_load`` (report keys a checkpoint lacks): tied weights are not "missing";
-    - ``_run_epoch`` (train one epoch): nothing past ``max_steps``;
+    - ``_run_epoch`` (train one epoch): nothing past ``max_steps``; the sampler told the epoch;
     - ``create_model_card`` (write the model card): an ExGRPO section;
     - ``log`` (write one log row): ``state.log_metrics``, every ExGRPO metric on every training row.
 
@@ -315,7 +315,7 @@ class ExGRPOTrainer(GRPOTrainer):
         return image_inputs(*self._tokenize_prompts(prompts), input_ids)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # Every training log row carries every ExGRPO metric (`ExGRPORun.fill_log`).
+        # Every training log row carries every ExGRPO metric (`ExGRPOState.log_metrics`).
         if self.model.training and "loss" in logs:
             self.exgrpo_state.log_metrics(self._metrics["train"])
         super().log(logs, start_time)
@@ -334,6 +334,9 @@ class ExGRPOTrainer(GRPOTrainer):
         limit = self.args.save_total_limit
         with swapped(self.args, save_total_limit=None), own_key_names(self.model):
             super()._save_checkpoint(model, trial)
+        # Every rank writes files of its own (its RNG state, DeepSpeed's partitions) and super() waits for none of
+        # them: rotating before they are all written could delete the older complete checkpoints.
+        self.accelerator.wait_for_everyone()
         if self.args.should_save:
             rotate_checkpoints(
                 run_dir,
@@ -349,6 +352,9 @@ class ExGRPOTrainer(GRPOTrainer):
         if self.state.max_steps > 0 and self.state.global_step >= self.state.max_steps:
             self.control.should_training_stop = True
             return None
+        # Told here, not through the dataloader: resumed inside an epoch on several processes, accelerate wraps the
+        # batch sampler once more, and neither its set_epoch nor transformers' reaches the sampler any longer.
+        self.exgrpo_state.set_epoch(inspect.signature(super()._run_epoch).bind(*args, **kwargs).arguments["epoch"])
         return super()._run_epoch(*args, **kwargs)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):

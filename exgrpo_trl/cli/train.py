@@ -401,6 +401,21 @@ def _setup_logging(training_args: ExGRPOConfig) -> None:
     transformers.utils.logging.enable_explicit_format()
 
 
+def _same_on_every_rank(checkpoint: str | None) -> str | None:
+    """The main process's choice of checkpoint, on every rank. Each rank has judged the same files by the same
+    deterministic rule (`checkpoint_problems` reads nothing but them), and nothing writes to output_dir until every
+    rank is past this point (the first write is a save, after collectives that need every rank): so each rank already
+    chose the same checkpoint, and raised the same error where there is one. The broadcast is for file systems that
+    can show the ranks of several machines different views of files written moments ago (a network file system's
+    caches). One process: returned as is."""
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    if PartialState().num_processes == 1:
+        return checkpoint
+    return broadcast_object_list([checkpoint])[0]
+
+
 def _attach_validation(trainer, script_args: ScriptArguments, training_args: ExGRPOConfig):
     """In-training validation on `validation_dataset` every `validation_steps` steps (a `ValidationCallback`)."""
     from ..eval.callback import ValidationCallback
@@ -472,7 +487,7 @@ def _train_in(script_args: ScriptArguments, training_args: ExGRPOConfig, model_a
         threads = limit_cpu_threads()
         logger.info("CPU run: %d torch thread%s (OMP_NUM_THREADS sets more)", threads, "" if threads == 1 else "s")
 
-    checkpoint = resolve_checkpoint(training_args)
+    checkpoint = _same_on_every_rank(resolve_checkpoint(training_args))
     complete = already_complete(training_args, checkpoint)
     if complete is not None:
         print(complete)

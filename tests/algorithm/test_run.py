@@ -154,10 +154,17 @@ def test_delayed_start_and_state_round_trip():
     run.record_behaviour(output, torch.zeros(output["completion_ids"].shape))
     assert question_key("P2") in run.state.buffer.retired and question_key("P1") not in run.state.buffer
     saved = run.state.state_dict()
-    assert saved == {"replay_active": False, "generation_batches": 1}  # no sampler yet, no offline guide
+    # no sampler yet, no offline guide; the batch's metrics (8 of 16 rows solved, no group replayed, group 0 of the 4
+    # fresh ones failed throughout) and the number of processes that saved it
+    latest = {"replay/fraction": 0.0, "batch/pass_at_1": 0.5, "batch/fresh_all_fail": 0.25, "replay/active": 0.0}
+    assert saved == {"replay_active": False, "generation_batches": 1, "latest": latest, "num_processes": 1}
     other = make_run(replay_start_pass_rate=0.6)
     other.state.load_state_dict({**saved, "generation_batches": 5})
     assert (other.state.replay_active, other.state.clock) == (False, 5)
+    assert other.state.latest == latest  # the log rows after a resume carry them (`log_metrics`)
+    older = make_run(replay_start_pass_rate=0.6)  # a state saved before the latest metrics were
+    older.state.load_state_dict({"replay_active": True, "generation_batches": 3})
+    assert (older.state.replay_active, older.state.clock, older.state.latest) == (True, 3, {})
 
 
 def test_offline_guidance_off_is_a_null_guide():

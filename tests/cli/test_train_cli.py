@@ -30,7 +30,7 @@ def test_load_tokenizer_honours_the_saved_class(toy_dir):
 
 
 def _minimal_checkpoint(path: Path, step: int) -> None:
-    """The files a plain (GRPO) checkpoint needs to count as complete, tiny."""
+    """The files a plain (GRPO) checkpoint of one process needs to count as complete, tiny."""
     import numpy as np
     import torch
     from safetensors.numpy import save_file
@@ -39,6 +39,7 @@ def _minimal_checkpoint(path: Path, step: int) -> None:
     save_file({"w": np.zeros(1, dtype=np.float32)}, str(path / "model.safetensors"))
     torch.save({}, path / "optimizer.pt")
     torch.save({}, path / "scheduler.pt")
+    torch.save({}, path / "rng_state.pth")
     (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
 
 

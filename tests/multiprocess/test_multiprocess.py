@@ -38,8 +38,11 @@ class LaunchTimeout(AssertionError):
     pass
 
 
-def launch(config: str, out: Path, *script_args: str, timeout: float = LAUNCH_TIMEOUT_S) -> list[dict]:
-    """`accelerate launch` the training script on 2 processes; returns each rank's record, rank order."""
+def launch(
+    config: str, out: Path, *script_args: str, timeout: float = LAUNCH_TIMEOUT_S, script: str = "train_replay.py"
+) -> list[dict]:
+    """`accelerate launch` a script of this folder (default: the training script) on 2 processes; returns each rank's
+    record, rank order."""
     out.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,
@@ -63,7 +66,7 @@ def launch(config: str, out: Path, *script_args: str, timeout: float = LAUNCH_TI
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", str(MP / config), "--num_processes", "2",
-        str(MP / "train_replay.py"), "--out", str(out), *script_args,
+        str(MP / script), "--out", str(out), *script_args,
     ]  # fmt: skip
     log = out / "launch.log"
     with open(log, "wb") as f:

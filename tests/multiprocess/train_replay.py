@@ -116,7 +116,8 @@ def build(out: Path, args, max_steps: int, break_padding: bool = False) -> Recor
         reward, extra = colour_reward, {}
     else:
         tokenizer = build_char_tokenizer()
-        model, dataset, reward = make_model(tokenizer), synthetic_dataset(n=24, always_every=6), make_reward(tokenizer)
+        dataset = synthetic_dataset(n=args.questions, always_every=args.always_every)
+        model, reward = make_model(tokenizer), make_reward(tokenizer)
         extra = {}
         if args.offline:  # a 2-character solution (solved), every fourth a 7-character one (rejected)
             solutions = [["1234567"] if i % 4 == 1 else ["12"] for i in range(len(dataset))]
@@ -183,6 +184,8 @@ def main() -> int:
     parser.add_argument("--max-steps", type=int, default=8)
     parser.add_argument("--save-steps", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--questions", type=int, default=24, help="questions in the synthetic dataset")
+    parser.add_argument("--always-every", type=int, default=6, help="every Nth question is always solved")
     parser.add_argument("--expect", choices=["ddp", "zero3"], required=True)
     parser.add_argument("--uneven", action="store_true", help="call _exgrpo_score_entropies with uneven counts")
     parser.add_argument("--resume", action="store_true", help="resume a second trainer from the last checkpoint")
@@ -215,7 +218,10 @@ def main() -> int:
     record["plans"] = plans(trainer)
     record["buffer"] = buffer_summary(trainer.exgrpo_state.buffer)
     record["masked_trajectories"] = sum(t.mask is not None for t in trainer.exgrpo_state.buffer.iter_trajectories())
-    record["exgrpo_state"] = {k: v for k, v in trainer.exgrpo_state.state_dict().items() if k != "sampler"}
+    # the state every rank holds alike (the latest metrics are the main process's own: `experience.MAIN_ONLY`)
+    record["exgrpo_state"] = {
+        k: v for k, v in trainer.exgrpo_state.state_dict().items() if k not in ("sampler", "latest")
+    }
     record["global_step"] = trainer.state.global_step
     if args.offline:
         record["offline_rows"] = [sorted(r.global_row for r in b["offline_rows"]) for b in trainer.batches]
@@ -241,10 +247,18 @@ def main() -> int:
     with open(out / f"rank{rank}.json", "w") as f:
         json.dump(record, f)
     trainer.accelerator.wait_for_everyone()
-    # Tear the process group down before the interpreter exits: left to the exit handlers, gloo's threads can be
-    # destroyed while still joinable ("terminate called without an active exception", SIGABRT on one rank).
     torch.distributed.destroy_process_group()
-    return 0
+    exit_now()
+
+
+def exit_now() -> None:
+    """Exit 0 without the interpreter's teardown, once everything is written: a multi-process run on CPU under ZeRO-3
+    sometimes aborts one rank there ("terminate called without an active exception", a C++ thread of torch's or
+    DeepSpeed's CPU communication destroyed while joinable: about 1 launch in 5 here), even with the process group
+    torn down first, after the run and its records are complete. What these tests check is written by then."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

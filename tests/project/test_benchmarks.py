@@ -234,10 +234,25 @@ def test_vlm_smoke_counts_a_replayed_row_without_its_image(monkeypatch):
 
     rows = [{"prompt": "q", "image": None} for _ in range(4)]
     plan = SimpleNamespace(group_indices=[1], keys=["key of the image question"])
-    run = SimpleNamespace(assign_rows=lambda inputs, plan: SimpleNamespace(inputs=rows))
+    run = SimpleNamespace(_rows=lambda inputs, plan: SimpleNamespace(inputs=rows))
     seen = module.watch_replays(SimpleNamespace(exgrpo_run=run), k=2)
-    run.assign_rows(rows, plan)
+    run._rows(rows, plan)
     assert seen == {"replayed_groups": [1], "replayed_rows": 2, "rows_without_their_image": 2}
+
+
+def test_kill_one_rank_tiny_run(tmp_path):
+    # "kill_one_rank.py" at its tiny default: `exgrpo train` on 2 processes (DDP over gloo), 4 steps, one rank's worker
+    # killed as its RNG state file appears in checkpoint-2 (what issue 51 found: a checkpoint finished by the main
+    # process without that file), then the same command until it exits 0: the end is the uninterrupted run's.
+    figures = run_tiny("kill_one_rank", tmp_path)
+    (first, *_) = figures["kills"]
+    assert first["kill"]["mode"] == "rng" and first["killed"] and first["newest_folder"] == 2
+    assert first["exit_code"] != 0 and first["teardown_s"] < 60 and first["workers_left"] == []
+    assert figures["kills_fired"] == 1 and figures["hangs"] == 0 and figures["workers_left"] == 0
+    comparison = figures["comparison"]
+    assert comparison["final_weights"] is True and comparison["buffer_and_state_bitwise"]
+    assert comparison["checkpoint_differences"] == {"checkpoint-2": [], "checkpoint-4": []}
+    assert comparison["all_equal"]
 
 
 def test_continuous_batching_flag_reaches_the_config(overhead):

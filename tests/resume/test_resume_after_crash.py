@@ -31,7 +31,7 @@ from tests.helpers import ROOT, TINY_RECIPE, make_trainer, toy_recipe_args
 from tests.resume.crashing import CRASH_AT, ENV
 
 NO_WEIGHTS = "no model weights (model.safetensors, pytorch_model.bin, a sharded index or an adapter)"
-ONLY_STATE = f"{NO_WEIGHTS}; no optimizer.pt; no scheduler.pt; no trainer_state.json"
+ONLY_STATE = f"{NO_WEIGHTS}; no optimizer.pt; no scheduler.pt; no rng_state.pth; no trainer_state.json"
 
 
 def _args(small_toy_dir: Path, out: Path, max_steps: int) -> list[str]:
@@ -124,7 +124,7 @@ def test_killed_at_every_point_of_a_save(small_toy_dir, tmp_path):
         # (where the previous run was killed, why it is skipped, where the next run is killed)
         (1, ONLY_STATE, ("exgrpo_state", 2)),
         (2, None, ("optimizer", 3)),  # the leftover name is checked below
-        (3, "no optimizer.pt; no scheduler.pt; no trainer_state.json", ("trainer_state", 4)),
+        (3, "no optimizer.pt; no scheduler.pt; no rng_state.pth; no trainer_state.json", ("trainer_state", 4)),
         (4, "trainer_state.json is truncated or corrupted (", None),  # then the JSON error
     ]
     for killed_at, why, next_kill in expected:
@@ -256,6 +256,10 @@ DAMAGES = {
     "no optimizer": (lambda c: (c / "optimizer.pt").unlink(), "no optimizer.pt"),
     "optimizer cut": (lambda c: _cut(c / "optimizer.pt"), "optimizer.pt is truncated or not a torch file"),
     "no scheduler": (lambda c: (c / "scheduler.pt").unlink(), "no scheduler.pt"),
+    # transformers would resume without it, but not as the run would have gone on (the RNG states of several
+    # processes: tests/resume/test_checkpoint_ranks.py)
+    "no rng state": (lambda c: (c / "rng_state.pth").unlink(), "no rng_state.pth"),
+    "rng state cut": (lambda c: _cut(c / "rng_state.pth"), "rng_state.pth is truncated or not a torch file"),
     "no model weights": (lambda c: (c / "model.safetensors").unlink(), NO_WEIGHTS),
     "model weights cut": (lambda c: _cut(c / "model.safetensors"), "model.safetensors is truncated or corrupted ("),
     "only exgrpo_state": (_keep_only(STATE_DIRNAME), ONLY_STATE),
@@ -317,7 +321,6 @@ def test_incomplete_checkpoint_is_skipped_saying_why(tmp_path, complete_checkpoi
     [
         ("plain GRPO checkpoint", lambda c: shutil.rmtree(c / STATE_DIRNAME)),  # the trainer warns on resume
         ("leftover tmp beside a complete state", lambda c: (c / f".{STATE_DIRNAME}.tmp-4242").mkdir()),
-        ("no rng state", lambda c: (c / "rng_state.pth").unlink()),  # transformers resumes without it
     ],
 )
 def test_complete_enough_checkpoints_are_taken(tmp_path, complete_checkpoint, case, damage):

@@ -117,6 +117,13 @@ def _same_parameters(a, b) -> bool:
     return all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
 
 
+def _log_rows(trainer) -> list[dict]:
+    """The training log rows, without their timings (step_time) and without the end-of-training summary row, which
+    describes the process that trained last (its train_loss averages that process's steps, its train_runtime too)."""
+    return [{k: v for k, v in row.items() if k != "step_time"} for row in trainer.state.log_history
+            if "train_runtime" not in row]  # fmt: skip
+
+
 def test_resume_in_the_second_and_third_epoch_is_bitwise(tmp_path, tokenizer):
     """10 steps straight against resumes from step 5 (inside epoch 1), 8 (its end) and 9 (inside epoch 2): the same
     parameters bitwise and the same buffer. Plain GRPOTrainer resumed at step 5 does not end where it would have,
@@ -130,6 +137,7 @@ def test_resume_in_the_second_and_third_epoch_is_bitwise(tmp_path, tokenizer):
         assert _same_parameters(straight, resumed), f"resumed from checkpoint-{step}"
         assert state_of(resumed.exgrpo_state.buffer) == state_of(straight.exgrpo_state.buffer)
         assert resumed.exgrpo_state.state_dict() == straight.exgrpo_state.state_dict()
+        assert _log_rows(resumed) == _log_rows(straight), f"resumed from checkpoint-{step}"
 
     grpo = make_trainer(tmp_path / "grpo", tokenizer, cls=GRPOTrainer, **EPOCHS, max_steps=10)
     grpo.train()

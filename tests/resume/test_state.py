@@ -176,6 +176,14 @@ WRONG_SHAPES = {
         _set("trainer", "sampler_passes", value=[[3]]),
         "malformed ('trainer.sampler_passes[0][0]' is 3, expected a string)",
     ),
+    "no-processes": (
+        _set("trainer", "num_processes", value=0),
+        "malformed ('trainer.num_processes' is 0, expected a positive integer)",
+    ),
+    "latest-string": (
+        _set("trainer", "latest", value={"batch/pass_at_1": "0.5"}),
+        "malformed ('trainer.latest.batch/pass_at_1' is a string, expected a number)",
+    ),
 }
 
 

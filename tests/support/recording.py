@@ -216,5 +216,5 @@ class RecordingTrainer(ExGRPOTrainer):
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
-            state = {k: v for k, v in self.exgrpo_state.state_dict().items() if k != "sampler"}
+            state = {k: v for k, v in self.exgrpo_state.state_dict().items() if k not in ("sampler", "latest")}
             self.rec["after_load"] = buffer_summary(self.exgrpo_state.buffer) | {"exgrpo_state": state}

@@ -51,6 +51,8 @@ def test_hook_signatures():
     ]
     assert "compute_entropy" in params(GRPOTrainer._get_per_token_logps_and_entropies)
     assert params(GRPOTrainer._get_train_sampler) == ["self", "dataset"]
+    # `_run_epoch` tells the sampler the epoch it is called for (bound by name: transformers passes keywords)
+    assert params(GRPOTrainer._run_epoch)[:3] == ["self", "model", "epoch"]
     assert params(GRPOTrainer._tokenize_prompts) == ["self", "prompts"]
     assert params(RepeatSampler.__init__) == [
         "self",
