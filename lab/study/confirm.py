@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from . import stats
-from .regimes import auc, equal_rollouts_difference, final_mean, t_interval
+from .regimes import auc, equal_rollouts_difference, final_mean, never_solved, t_interval
 
 RESULTS = "benchmarks/results/confirm"
 SETTINGS = ("addition", "countdown-weak", "countdown-paper-lr2.5e-5", "countdown-hard")
@@ -173,6 +173,42 @@ def _median_of(rows: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
+# What each setting is like, in a user's words; {warm} and {never} are measured (`user_table`).
+PLAIN = {
+    "addition": "sums of 1-4 digits, one right answer each; the model starts at {warm} held-out pass@1",
+    "countdown-weak": "a weak model: {warm} held-out pass@1 at the start, replay from the first batch",
+    "countdown-paper-lr2.5e-5": "the paper's batch shape and step; {never} of the training questions never solved",
+    "countdown-hard": "the same from a weaker model: {never} of the training questions never solved",
+}
+
+
+def user_table(runs: list[dict], rows: list[dict]) -> str:
+    """The registered answer for a user, one row a setting: what the data is like (measured), GRPO's final held-out
+    pass@1 (median over seeds), and ExGRPO and ExGRPO with the reuse limit against GRPO at equal generated rollouts
+    (mean [95% t-interval over seeds], the verdict with Holm's correction)."""
+    found = {(c["setting"], c["arm"], c["base"], c["axis"]): c for c in rows}
+    lines = ["| your data is like | GRPO final held-out pass@1 | ExGRPO - GRPO | ExGRPO with the reuse limit - GRPO |",
+             "|---|---|---|---|"]  # fmt: skip
+    for setting in SETTINGS:
+        records = [r for r in runs if r["task"] == setting]
+        grpo = [r for r in records if r["arm"] == "grpo"]
+        if not grpo:
+            continue
+        warm = statistics.median(r["curve"]["pass_at_1"][0] for r in records)
+        never = never_solved(grpo)
+        plain = PLAIN[setting].format(warm=f"{warm:.2f}", never="-" if never is None else f"{100 * never:.0f}%")
+        cells = [plain, f"{statistics.median(final_mean(r) for r in grpo):.3f}"]
+        for arm in ("exgrpo", "reuse_limit"):
+            c = found.get((setting, arm, "grpo", "final_rollouts"))
+            if c is None or not c["n"]:
+                cells.append("not run yet")
+                continue
+            ci = f" [{_f(c['ci95'][0])}, {_f(c['ci95'][1])}]" if c["ci95"] else ""
+            cells.append(f"{_f(c['mean'])}{ci}, {c['verdict']} ({c['n']} seed{'s' if c['n'] > 1 else ''})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def finals(runs: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
     """setting -> arm -> seed -> final held-out pass@1 (`regimes.final_mean`)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
@@ -225,6 +261,10 @@ def analyse(results: str | Path) -> tuple[dict[str, Any], str]:
                "commits": {c: len(v) for c, v in commits.items()}}  # fmt: skip
     lines = [
         "# The registered study: analysis",
+        "",
+        "## For a user: final held-out pass@1 at equal generated rollouts, paired by seed",
+        "",
+        user_table(runs, rows),
         "",
         f"Runs in: {len(runs)} of {len(registered_order())}"
         + (f"; missing: {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}" if missing else "")
