@@ -21,6 +21,11 @@ from typing import Any
 QUESTION_SELECTIONS = ("gaussian", "uniform")
 TRAJECTORY_SELECTIONS = ("lowest_entropy", "random", "highest_entropy")
 OFFLINE_GUIDANCE = ("all_groups", "unsolved")
+# TRL's loss types ExGRPO computes its replayed-token term for (loss.aggregate_token_loss), and those whose fresh
+# tokens TRL clips PPO-style, clamp(r, 1 - epsilon_low, 1 + epsilon_high): here, free of torch, so that `exgrpo train`
+# checks a recipe's loss_type before torch is imported.
+SUPPORTED_LOSS_TYPES = ("grpo", "sapo", "bnpo", "dr_grpo", "cispo", "dapo", "vespo", "luspo")
+PPO_CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 @dataclass
@@ -264,6 +269,26 @@ _CHECKS: dict[str, Any] = {
     ),
     "initial_experience": _path_or_none,
 }
+
+
+def num_generations_problem(num_generations: int | None) -> str | None:
+    """Why TRL's `num_generations` (K) cannot train ExGRPO (the whole message), or None."""
+    if num_generations is not None and num_generations < 2:
+        return (
+            f"num_generations must be >= 2 for ExGRPO (a group needs K-1 fresh rollouts beside a replayed one and "
+            f"success buckets 1..K-1); got {num_generations}."
+        )
+    return None
+
+
+def clip_removal_problem(settings: ExGRPOSettings, loss_type: str) -> str | None:
+    """Why `remove_clip_after_replay_start` cannot act with TRL's `loss_type` (the whole message), or None."""
+    if settings.remove_clip_after_replay_start and loss_type not in PPO_CLIPPED_LOSS_TYPES:
+        return (
+            f"remove_clip_after_replay_start removes the PPO clip of loss_type in {PPO_CLIPPED_LOSS_TYPES}; "
+            f"loss_type {loss_type!r} has none to remove."
+        )
+    return None
 
 
 # The model card's label of each setting it shows (`card_rows`), in field order.

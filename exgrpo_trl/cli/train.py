@@ -36,9 +36,10 @@ from trl import ScriptArguments as TrlScriptArguments
 
 from ..buffer import has_images
 from ..checkpoints import checkpoint_step, resolve_checkpoint
-from ..checks import require_loggers
 from ..config import ExGRPOConfig
 from ..offline import offline_columns
+from ..reporting import require_loggers
+from ..settings import SUPPORTED_LOSS_TYPES
 from ..state import StateFileError
 from ..tasks.math_data import filter_long_prompts, load_math_dataset
 from ..tasks.rewards import REWARD_FUNCS, get_reward_funcs
@@ -229,19 +230,44 @@ def short_help() -> str:
 
 def write_help() -> Path:
     """Write `short_help()` to cli/train_help.txt, which `exgrpo train --help` prints without importing TRL, and
-    `option_kinds()` to cli/train_options.json, which `precheck` checks recipes against before TRL is imported (`make
+    `option_table()` to cli/train_options.json, which `precheck` checks recipes against before TRL is imported (`make
     style` runs this; a test fails when either file is stale)."""
     from . import TRAIN_HELP
 
     TRAIN_HELP.write_text(short_help())
-    precheck.OPTIONS.write_text(json.dumps(option_kinds(), indent=0, sort_keys=True) + "\n")
+    sections = [
+        json.dumps(section)
+        + ": {\n"
+        + ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(rows.items()))
+        for section, rows in sorted(option_table().items())
+    ]
+    precheck.OPTIONS.write_text("{\n" + "\n},\n".join(sections) + "\n}\n}\n")  # one option a line
     return TRAIN_HELP
 
 
-def option_kinds() -> dict[str, str]:
-    """Every ``--option`` of `exgrpo train` and the kind of value it takes (`precheck.option_kind`)."""
+# GRPOConfig's string options that take one of a few values which TRL checks only once it trains (a misspelt
+# loss_type failed at the first step, after the model had loaded): those values, as TRL 1.16's help for each lists
+# them (a test keeps them so), for the check before torch is imported. loss_type: the ones ExGRPO supports, all of
+# TRL's.
+CLOSED_SETS = {
+    "loss_type": SUPPORTED_LOSS_TYPES,
+    "scale_rewards": ("group", "batch", "none"),
+    "importance_sampling_level": ("token", "sequence"),
+    "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
+    "vllm_mode": ("server", "colocate"),
+    "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+}
+
+
+def option_table() -> dict:
+    """Every ``--option`` of `exgrpo train` with the kind of value it takes (`precheck.option_kind`) and the field it
+    sets, and the closed sets of values: argparse's choices (transformers' enums, ModelConfig's literals) and
+    `CLOSED_SETS`."""
     actions = build_parser()._actions
-    return {o: precheck.option_kind(a) for a in actions for o in a.option_strings if o.startswith("--")}
+    options = {o: [precheck.option_kind(a), a.dest] for a in actions for o in a.option_strings if o.startswith("--")}
+    choices = {a.dest: [str(getattr(c, "value", c)) for c in a.choices] for a in actions if a.choices}
+    choices.update({name: list(values) for name, values in CLOSED_SETS.items()})
+    return {"choices": choices, "options": options}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, ExGRPOConfig, ModelConfig]:
@@ -278,34 +304,18 @@ def _with_suggestion(name: str, known: list[str], where: str) -> str:
     return name + precheck.suggestion(name, known)
 
 
-DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow", ".txt")
-
-
-def looks_like_local_path(name: str) -> bool:
-    """Whether a model or dataset name can only mean a local path: it starts like one (``/``, ``./``, ``../``,
-    ``~``), has more than one ``/`` (a Hub id is ``name`` or ``org/name``), ends like a data file, or its first folder
-    exists here."""
-    if name.startswith(("/", "./", "../", "~")) or "\\" in name:
-        return True
-    if name.count("/") > 1 or name.lower().endswith(DATA_SUFFIXES):
-        return True
-    return "/" in name and os.path.isdir(name.split("/")[0])
-
-
 def _check_local_paths(script_args: ScriptArguments, model_args: ModelConfig) -> None:
-    """A local path that does not exist fails here, in one line: transformers and datasets would take it for a Hub id
-    and retry the Hub for a minute before a connection error."""
+    """A local path that does not exist fails here, in one line (`exgrpo train` finds it before torch is imported;
+    this is for `python -m exgrpo_trl.cli.train` and `accelerate launch`)."""
     for what, name in (
         ("model_name_or_path", model_args.model_name_or_path),
         ("tokenizer_name_or_path", script_args.tokenizer_name_or_path),
         ("dataset_name", script_args.dataset_name),
         ("eval_dataset_name", script_args.eval_dataset_name),
     ):
-        if name and looks_like_local_path(name) and not os.path.exists(os.path.expanduser(name)):
-            raise FileNotFoundError(
-                f"{what} {name} is a local path that does not exist ({Path(name).expanduser().resolve()}); create "
-                "it first (a recipe's header says how), or give a Hub id (org/name)."
-            )
+        problem = precheck.local_path_problem(what, name) if name else None
+        if problem is not None:
+            raise FileNotFoundError(problem)
 
 
 def check_output_dir(output_dir: str) -> None:

@@ -246,8 +246,8 @@ def _bad_recipe(tmp_path):
         ),
         (
             ["--config", str(TINY_RECIPE), "--replay_ratio", "2"],
-            1,
-            "replay_ratio must be in [0, 1], got 2.0. (--debug shows the traceback)",
+            2,
+            "replay_ratio must be in [0, 1], got 2.0.",  # before torch is imported (cli/precheck.py)
         ),
         (["--config", "BAD"], 2, "unknown key replay_ration in BAD (did you mean replay_ratio?)"),
         (
@@ -259,9 +259,9 @@ def _bad_recipe(tmp_path):
                 "--dataset_name",
                 "/nowhere/t.jsonl",
             ],
-            1,
+            2,
             "model_name_or_path /nowhere/tiny is a local path that does not exist (/nowhere/tiny); create it first "
-            "(a recipe's header says how), or give a Hub id (org/name). (--debug shows the traceback)",
+            "(a recipe's header says how), or give a Hub id (org/name).",
         ),
     ],
     ids=["missing-recipe", "config-without-path", "misspelled-flag", "bad-int", "bad-value", "bad-key", "no-model"],
@@ -278,7 +278,7 @@ def test_errors_are_one_line(tmp_path, capsys, argv, code, message):
 
 
 def test_debug_shows_the_traceback(monkeypatch):
-    from exgrpo_trl.cli import main
+    from exgrpo_trl.cli.train import main  # `exgrpo train` finds this one before (precheck), without a traceback
 
     with pytest.raises(ValueError, match=r"replay_ratio must be in \[0, 1\]"):
         main(["train", "--config", str(TINY_RECIPE), "--replay_ratio", "2", "--debug"])
