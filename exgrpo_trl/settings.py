@@ -157,7 +157,8 @@ class ExGRPOSettings:
             "holding one or more reference completions per question (text or an assistant message, as OpenR1-Math's "
             "'target'). A question with one gets it as the first row of its fresh groups, beside K - 1 generated "
             "rollouts, with behaviour probability 1; a solution the reward functions do not score as solved is never "
-            "used again. None (default): off, the paper's ExGRPO."
+            "used again. Any column, 'answer' included; `exgrpo train` keeps it in the data by itself (no "
+            "keep_columns entry). None (default): off, the paper's ExGRPO."
         },
     )
     offline_guidance: str = field(

@@ -41,7 +41,7 @@ from ..offline import offline_columns
 from ..reporting import require_loggers
 from ..settings import SUPPORTED_LOSS_TYPES
 from ..state import StateFileError
-from ..tasks.math_data import filter_long_prompts, load_math_dataset
+from ..tasks.math_data import PRODUCED_COLUMNS, filter_long_prompts, load_math_dataset
 from ..tasks.rewards import REWARD_FUNCS, get_reward_funcs
 from ..utils.requirements import require
 from ..utils.threads import limit_cpu_threads
@@ -372,8 +372,11 @@ def reporting_errors(func: Callable) -> Callable:
 
 def data_columns(keep_columns: list[str], training_args: ExGRPOConfig) -> list[str]:
     """The dataset columns kept beside prompt and answer: `keep_columns`, and the offline solutions' column, which
-    offline guidance reads from the training rows (a user need not list it twice)."""
-    return [*keep_columns, *(c for c in offline_columns(training_args) if c not in keep_columns)]
+    offline guidance reads from the training rows (a user need not list it at all). The offline column may be any
+    column, ``answer`` included: that one is always there (`PRODUCED_COLUMNS`), the reference answers as
+    `answer_column` reads them, so it is not asked for again."""
+    wanted = [c for c in offline_columns(training_args) if c not in keep_columns and c not in PRODUCED_COLUMNS]
+    return [*keep_columns, *wanted]
 
 
 def model_init_kwargs(model_args: ModelConfig, training_args: ExGRPOConfig, vision: bool = False) -> dict:

@@ -280,7 +280,7 @@ def _diff(a, b):
         ),
         ("llama8b_base.yaml", {"model_name_or_path", "replay_start_pass_rate"}),
         ("qwen7b_instruct.yaml", {"model_name_or_path"}),
-        ("qwen7b_offline.yaml", {"keep_columns", "offline_solutions_column"}),
+        ("qwen7b_offline.yaml", {"offline_solutions_column"}),
         (
             "qwen1.5b.yaml",
             {
@@ -303,21 +303,23 @@ def test_variants_differ_from_the_7b_recipe_only_where_intended(name, expected):
     if name == "qwen7b_colocate.yaml":
         assert variant["vllm_mode"] == "colocate"
     if name == "qwen7b_offline.yaml":
-        assert variant["offline_solutions_column"] == "target" and variant["keep_columns"] == ["target"]
+        assert variant["offline_solutions_column"] == "target" and variant["keep_columns"] == []
         assert variant["offline_guidance"] == "all_groups"  # LUFFY's rule (the default)
 
 
 def test_offline_recipe_on_the_shipped_sample():
     """The offline recipe's data path on OpenR1-Math-46k's shipped sample (its schema): the `target` column reaches
-    the trainer's dataset, each row holds one solution as the guide reads it, and the recipe's reward scores every
-    one of them solved, so none would be rejected."""
+    the trainer's dataset without a keep_columns entry, each row holds one solution as the guide reads it, and the
+    recipe's reward scores every one of them solved, so none would be rejected."""
+    from exgrpo_trl.cli.train import data_columns
     from exgrpo_trl.offline import offline_texts
     from exgrpo_trl.tasks.math_data import load_math_dataset
     from exgrpo_trl.tasks.rewards import math_reward
 
     script_args, args, _ = parse(ROOT / "recipes" / "qwen7b_offline.yaml")
     sample = ROOT / "tests" / "data" / "openr1_math_46k_sample.jsonl"
-    dataset = load_math_dataset(str(sample), split="train", keep_columns=script_args.keep_columns)
+    columns = data_columns(script_args.keep_columns, args)  # as `exgrpo train` loads it
+    dataset = load_math_dataset(str(sample), split="train", keep_columns=columns)
     column = args.offline_solutions_column
     assert set(dataset.column_names) == {"prompt", "answer", column} and len(dataset) == 6
     texts = [offline_texts(row[column], column) for row in dataset]
