@@ -48,6 +48,7 @@ from ..utils.threads import limit_cpu_threads
 from ..utils.tokenizer import load_processor, load_tokenizer
 from . import precheck
 from .interrupt import Interrupted, StopOnInterrupt
+from .output import surviving_output
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,14 @@ class ScriptArguments(TrlScriptArguments):
     validation_limit: int | None = field(
         default=None, metadata={"help": "Validate on the first N questions of each validation set only."}
     )
+    log_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "Also append everything this command prints to this file (the log, the progress, and the last "
+            "line: where an interrupted run stopped and how to resume it). Unlike `2>&1 | tee FILE`, which a "
+            "terminal's Ctrl-C kills with the run, nothing can cut it short."
+        },
+    )
     merge_adapter_on_push: bool = field(
         default=False,
         metadata={
@@ -164,6 +173,7 @@ COMMON_OPTIONS = (
     "resume_from_checkpoint",
     "use_peft",
     "push_to_hub",
+    "log_file",
 )
 
 
@@ -670,23 +680,27 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in argv or "--help" in argv:
         print(short_help())
         return 0
-    try:
-        return train(*parse_args(argv))
-    except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C: where training stopped and how to go on, in one line
-        if debug:
-            raise
-        what = str(e) if isinstance(e, Interrupted) else "interrupted before training started; nothing was saved"
-        print(f"\nexgrpo train: {what}", file=sys.stderr)
-        return 130
-    except REPORTED_ERRORS as e:
-        if debug:
-            raise
-        message = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the message's own layout
-        if isinstance(e, UsageError):
-            print(f"exgrpo train: error: {message}", file=sys.stderr)
-            return 2
-        print(f"exgrpo train: error: {message} (--debug shows the traceback)", file=sys.stderr)
-        return 1
+    # a stdout or stderr whose reader is gone (`| tee` killed by Ctrl-C) never stops the run (cli/output.py)
+    with surviving_output() as output:
+        try:
+            script_args, training_args, model_args = parse_args(argv)
+            output.also_to(script_args.log_file)
+            return train(script_args, training_args, model_args)
+        except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C: where training stopped and how to go on, in one line
+            if debug:
+                raise
+            what = str(e) if isinstance(e, Interrupted) else "interrupted before training started; nothing was saved"
+            output.tell(f"\nexgrpo train: {what}")
+            return 130
+        except REPORTED_ERRORS as e:
+            if debug:
+                raise
+            message = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the message's own layout
+            if isinstance(e, UsageError):
+                output.tell(f"exgrpo train: error: {message}")
+                return 2
+            output.tell(f"exgrpo train: error: {message} (--debug shows the traceback)")
+            return 1
 
 
 if __name__ == "__main__":

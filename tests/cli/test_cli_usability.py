@@ -5,10 +5,16 @@ on, and no transformers deprecation warning for an option nobody set."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
+import shlex
+import signal
 import subprocess
 import sys
+import termios
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -400,6 +406,78 @@ def test_ctrl_c_is_one_line_and_rerunning_resumes(toy_dir, tmp_path):
     subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=300, check=True)
     resumed, never = load_file(out / "model.safetensors"), load_file(straight / "model.safetensors")
     assert resumed.keys() == never.keys() and all(resumed[k].equal(never[k]) for k in never)
+
+
+def _in_a_terminal(script: str, cwd: Path, env: dict) -> tuple[int, str]:
+    """Run the shell command line `script` as a terminal runs it: bash in a session of its own, a pseudo-terminal as
+    its controlling terminal and its stdin, stdout and stderr; returns bash's exit status and what the terminal
+    showed (its lines, carriage returns removed)."""
+    master, slave = os.openpty()
+    shell = subprocess.Popen(
+        ["bash", "-c", script],
+        cwd=cwd,
+        env=env,
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+        preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+    )
+    os.close(slave)
+    shown = bytearray()
+
+    def read_the_terminal():
+        with contextlib.suppress(OSError):  # EIO once the session has ended
+            while chunk := os.read(master, 65536):
+                shown.extend(chunk)
+
+    reader = threading.Thread(target=read_the_terminal, daemon=True)
+    reader.start()
+    try:
+        status = shell.wait(timeout=300)
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+        reader.join(timeout=10)
+        os.close(master)
+    return status, shown.decode(errors="replace").replace("\r", "")
+
+
+@pytest.mark.parametrize("redirect", ["2>&1", "2>err.log"])
+def test_ctrl_c_through_tee_saves_the_step_and_says_where(toy_dir, tmp_path, redirect):
+    """`exgrpo train ... 2>&1 | tee` in a terminal, Ctrl-C during step 3: the terminal sends SIGINT to the whole
+    command line, tee dies, and the trainer's next write to the pipe ended the run (exit 1, no checkpoint of step 3,
+    no message; with `2>err.log | tee`, the same). Now the step ends, its checkpoint is saved, the exit code is 130 and
+    the resume line reaches the user: on the terminal (the pipe is gone), in stderr's file when it is one, and in
+    --log_file. Then the same command resumes from that checkpoint. (The reward sends SIGINT to the process group at
+    its third call and waits until tee has gone, so that the run writes to a pipe with no reader.)"""
+    out = tmp_path / "out"
+    argv = [*_exgrpo(), *_train_args(toy_dir, out, "--max_steps", "4", "--save_steps", "100", "--log_file", "run.log")]
+    interrupted = [*argv, "--reward_funcs", "tests.support.cli_rewards:interrupting_reward"]
+    script = f"trap true INT; {shlex.join(interrupted)} {redirect} | tee tee.log; echo ${{PIPESTATUS[0]}} > status"
+    env = {**ENV, "EXGRPO_TEST_INTERRUPT_AT": "3", "EXGRPO_TEST_INTERRUPT_GROUP": "1"}
+    _, terminal = _in_a_terminal(script, tmp_path, env)
+
+    line = (
+        f"exgrpo train: interrupted at step 3 of 4; rerun the same command to resume from the newest checkpoint, "
+        f"{out / 'checkpoint-3'}"
+    )
+    assert (tmp_path / "status").read_text().split() == ["130"], terminal[-3000:]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
+    assert terminal.splitlines()[-1] == line, terminal[-3000:]  # after what tee showed before it died
+    assert (tmp_path / "run.log").read_text().splitlines()[-1] == line
+    assert "'loss'" in (tmp_path / "run.log").read_text()  # the whole log, the training rows included
+    if redirect == "2>err.log":
+        assert (tmp_path / "err.log").read_text().splitlines()[-1] == line
+    for text in (terminal, (tmp_path / "run.log").read_text()):
+        assert "Broken pipe" not in text and "Traceback" not in text
+
+    if redirect == "2>&1":  # the same command, this time not interrupted, goes on from checkpoint-3
+        again = subprocess.run(argv, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"Resuming from checkpoint {out / 'checkpoint-3'}" in again.stdout + again.stderr
+        assert "exgrpo train: done at step 4." in again.stdout
+        assert "Resuming from checkpoint" in (tmp_path / "run.log").read_text()  # appended to the same log
 
 
 # ----------------------------------------------------------------------------------------------------- dependencies

@@ -433,7 +433,7 @@ def test_missing_extra_output_is_what_the_page_shows(monkeypatch, capsys):
 def test_interrupt_output_is_what_the_page_shows(monkeypatch):
     from exgrpo_trl.cli import interrupt
 
-    (block,) = section_blocks(DOCS / "resume.md", "## Resuming with `exgrpo train`")
+    (block,) = [b for b in section_blocks(DOCS / "resume.md", "## Resuming with `exgrpo train`") if b.kind == "text"]
     checkpoint = "outputs/exgrpo-tiny-cpu/checkpoint-138"
     monkeypatch.setattr(interrupt, "find_resumable_checkpoint", lambda output_dir: (checkpoint, []))
     line = "exgrpo train: " + str(interrupt.Interrupted(138, 300, "outputs/exgrpo-tiny-cpu"))
