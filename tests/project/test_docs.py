@@ -79,6 +79,7 @@ PYTHON_BLOCKS = {
     (README, "## Quick start (GPU)"): "test_quick_start_replays",
     (README, "## Quick start (CPU)"): "test_cpu_quick_start_replays_as_pasted",
     (DOCS / "exgrpo_trainer.md", "## Quick start on a CPU"): "test_cpu_quick_start_replays_as_pasted",
+    (DOCS / "exgrpo_trainer.md", "## Quick start on a CPU with images"): "test_image_quick_start_replays_as_pasted",
     (DOCS / "exgrpo_trainer.md", "## Custom rewards"): "test_custom_rewards_example",
     (DOCS / "exgrpo_trainer.md", "## Quick start"): "test_quick_start_replays",
     (DOCS / "exgrpo_trainer.md", "## Quick start on one GPU: LoRA and vLLM colocate"): "test_lora_quick_start_replays",
@@ -308,21 +309,21 @@ def test_lora_quick_start_replays(tmp_path):
 
 
 def test_vlm_quick_start_replays(tmp_path):
-    """The vision-language quick start with the tiny Qwen2-VL of tests/support/tiny_vlm.py and its colour questions in
+    """The vision-language quick start with the tiny Qwen2-VL of exgrpo_trl/tasks/vision.py and its colour questions in
     the dataset's layout (image, problem, solution), on a CPU, 4 updates of one generation batch each (8 questions),
     replay on from the first batch: the first batch is on-policy (the buffer is empty), later ones replay stored
     questions with their images."""
     from datasets import Dataset, Features, Image, Value
 
-    from tests.support.tiny_vlm import QUESTION, save_tiny_vlm, tiny_vlm_dataset
+    from exgrpo_trl.tasks.vision import QUESTION, colour_dataset, save_tiny_vlm
 
     code = python_block(DOCS / "exgrpo_trainer.md", "## Vision-language models")
     model = save_tiny_vlm(tmp_path / "model")
-    rows = tiny_vlm_dataset(64, seed=1)
+    rows = colour_dataset(64, seed=1)
     features = Features({"image": Image(), "problem": Value("string"), "solution": Value("string")})
     data = {"image": rows["image"], "problem": [QUESTION] * len(rows), "solution": rows["answer"]}
     Dataset.from_dict(data, features=features).save_to_disk(str(tmp_path / "data"))
-    registered = "import tests.support.tiny_vlm  # registers its processor\nfrom datasets import load_from_disk"
+    registered = "import exgrpo_trl.tasks.vision  # registers its processor\nfrom datasets import load_from_disk"
     few_steps = "max_steps=4, replay_start_pass_rate=0.0,"
     out = _run_snippet(
         code,
@@ -332,7 +333,7 @@ def test_vlm_quick_start_replays(tmp_path):
             ("from datasets import load_dataset", registered),
             ('load_dataset("lmms-lab/multimodal-open-r1-8k-verified", split="train")', repr(str(tmp_path / "data"))),
             ("dataset = dataset.map(", "dataset = load_from_disk(dataset).map("),
-            ("from exgrpo_trl.tasks.rewards import math_reward", "from tests.support.tiny_vlm import colour_reward"),
+            ("from exgrpo_trl.tasks.rewards import math_reward", "from exgrpo_trl.tasks.vision import colour_reward"),
             ("reward_funcs=math_reward", "reward_funcs=colour_reward"),
             ("args = ExGRPOConfig(\n", f"args = ExGRPOConfig(\n    {ON_A_CPU}{few_steps}\n"),
             ("    max_completion_length=1024,\n", "    max_completion_length=12,\n"),
@@ -361,6 +362,30 @@ def test_cpu_quick_start_replays_as_pasted(tmp_path):
     sizes = [s for s in json.loads(line.split(" ", 1)[1]) if s is not None]
     assert len(sizes) == 4 and 0 < sizes[0] < sizes[-1], sizes
     assert (tmp_path / "tiny-exgrpo").is_dir()
+
+
+def test_image_quick_start_replays_as_pasted(tmp_path):
+    """The CPU quick start with images runs as a user pastes it (it builds its own model, processor and data), without
+    a FutureWarning, and trains ExGRPO on images: replay from the first batch (the first logged window holds the
+    on-policy first update), then 4 of each batch's 8 questions replayed with their images; the buffer grows; the
+    batch pass@1 rises by more than 0.15 over the 60 updates (measured: 0.25 to 0.547). About 15 s at load 5."""
+    code = python_block(DOCS / "exgrpo_trainer.md", "## Quick start on a CPU with images")
+    epilogue = REPLAY_LOG + (
+        'print("BUFFER_LOG", json.dumps([e.get("exgrpo/buffer/questions") for e in trainer.state.log_history]))\n'
+        'print("PASS_LOG", json.dumps([e.get("exgrpo/batch/pass_at_1") for e in trainer.state.log_history]))\n'
+    )
+    out = _run_snippet(code, tmp_path, [], epilogue, no_future_warnings=True)
+    fractions = [f for f in _replayed(out) if f is not None]
+    assert len(fractions) == 6 and 0 < fractions[0] < 0.5 and fractions[1:] == [0.5] * 5, fractions
+    assert "MODEL_CLASS Qwen2VLForConditionalGeneration" in out
+
+    def logged(name):
+        line = next(line for line in out.splitlines() if line.startswith(f"{name} "))
+        return [v for v in json.loads(line.split(" ", 1)[1]) if v is not None]
+
+    sizes, passes = logged("BUFFER_LOG"), logged("PASS_LOG")
+    assert len(sizes) == 6 and 0 < sizes[0] < sizes[-1], sizes
+    assert len(passes) == 6 and passes[-1] > passes[0] + 0.15, passes
 
 
 def test_custom_rewards_example(tmp_path, monkeypatch):
