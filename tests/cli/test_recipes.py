@@ -1,4 +1,9 @@
-"""Every recipe parses with TrlParser, opens with its launch commands, and the 7B recipe carries §9's values."""
+"""What the recipes say, checked without running any of them (nothing here launches a process or loads a model):
+every recipe parses with `exgrpo train`'s parser (TrlParser), opens with its launch commands, and each launch line's
+overrides parse; each layout's batch arithmetic holds (512 rows per optimizer step, 1,024 per generation batch, 1,400
+steps) and its vLLM server and training GPUs do not overlap; the 7B recipe carries §9's values, the variants differ
+from it only where intended, and the recipes' objective matches the reference run's; the accelerate configs load.
+Where the recipes have actually run: docs/recipes.md, "Where it has run"."""
 
 from __future__ import annotations
 
@@ -79,7 +84,7 @@ def test_recipe_set():
         "tiny_cpu.yaml",
         "qwen2_5_vl_3b.yaml",
     }
-    assert {p.name for p in ACCELERATE} == {"zero3.yaml", "ddp.yaml", "zero3_multinode.yaml"}
+    assert {p.name for p in ACCELERATE} == {"zero3.yaml", "ddp.yaml", "zero3_multinode.yaml", "cpu_ddp.yaml"}
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
@@ -362,6 +367,29 @@ def test_accelerate_configs_load_and_say_what_they_are():
     assert (multi.num_machines, multi.num_processes) == (2, 16)
     for path in ACCELERATE:
         assert launch_lines(path, "accelerate launch"), f"{path.name} must open with an example launch command"
+
+
+def test_cpu_processes_config_launches_the_tiny_recipe_with_its_batch():
+    """recipes/accelerate/cpu_ddp.yaml: CPU processes under torchrun (MULTI_GPU is what makes accelerate start
+    num_processes of them; use_cpu keeps them on the CPU, over gloo), no mixed precision; its launch line is
+    `exgrpo train`'s with the tiny recipe, and its per-device batch keeps the recipe's 128 rows per optimizer step
+    over its 2 processes. tests/multiprocess launches its DDP runs with this file; it ran this line once (4 steps, two
+    processes, 11.5 s at load 4.1)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    path = ROOT / "recipes" / "accelerate" / "cpu_ddp.yaml"
+    config = load_config_from_file(str(path))
+    assert (config.distributed_type, config.use_cpu, config.mixed_precision) == ("MULTI_GPU", True, "no")
+    assert (config.num_processes, config.num_machines) == (2, 1)
+    (line,) = [line for line in launch_lines(path, "accelerate launch") if line.startswith("accelerate launch")]
+    tokens = tokens_of(line)
+    assert tokens[:4] == ["accelerate", "launch", "--config_file", "recipes/accelerate/cpu_ddp.yaml"]
+    assert tokens[4:7] == ["-m", "exgrpo_trl.cli.train", "--config"]
+    _, single, _ = parse(ROOT / "recipes" / "tiny_cpu.yaml")
+    _, args, _ = parse(ROOT / "recipes" / "tiny_cpu.yaml", *after_config(line, "tiny_cpu.yaml"))
+    rows = args.per_device_train_batch_size * config.num_processes * args.gradient_accumulation_steps
+    assert rows == single.per_device_train_batch_size * single.gradient_accumulation_steps == 128
+    assert "recipes/accelerate/cpu_ddp.yaml" in (ROOT / "tests" / "multiprocess" / "test_multiprocess.py").read_text()
 
 
 def test_docs_list_every_recipe():

@@ -209,6 +209,43 @@ def test_trainer_page_has_trls_parts():
     assert figure and (ROOT / figure.group(1)).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _where_it_ran(page: Path) -> str:
+    text = page.read_text()
+    return text[text.index("<!-- where-it-ran -->") : text.index("<!-- /where-it-ran -->")]
+
+
+def test_where_it_has_run_is_one_table_with_commands_dates_and_not_run():
+    """recipes.md and the trainer page carry the same table of what has run where (issue 53: only the trainer page's
+    last line said that vLLM on a GPU and several GPUs were never measured): CPU processes, one GPU, several GPUs,
+    vLLM; a row that ran gives its command and when (a date, or every `make test`), one that did not says "not run";
+    the GPU dates are performance.md's, and the files the rows name exist. The recipe test is described as what it
+    is: it launches nothing."""
+    recipes_page = DOCS / "recipes.md"
+    table = _where_it_ran(recipes_page)
+    assert table == _where_it_ran(DOCS / "exgrpo_trainer.md")
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()[3:] if line]
+    assert [r[0] for r in rows] == [
+        "CPU, 1 process", "CPU, 2 processes", "vLLM, CPU build", "one GPU", "several GPUs", "vLLM on a GPU",
+        "the paper's recipes on their models",
+    ]  # fmt: skip
+    for setting, what, command, when in rows:
+        if when == "not run":
+            assert what.startswith("not run") and command == "", setting
+        else:
+            assert command and ("every `make test`" in when or re.search(r"\d{4}-\d\d-\d\d", when)), setting
+    performance = (DOCS / "performance.md").read_text()
+    gpu = rows[3][3]
+    assert re.findall(r"\d{4}-\d\d-\d\d", gpu) == ["2026-11-25", "2026-11-27"]
+    assert all(date in performance for date in re.findall(r"\d{4}-\d\d-\d\d", gpu))
+    for name in re.findall(r"`((?:benchmarks|recipes|tests)/[\w/.]+\.(?:py|yaml))`", table):
+        assert (ROOT / name).is_file(), name
+    for name in re.findall(r"`(\w+\.yaml)`", table):
+        assert (ROOT / "recipes" / name).is_file() or (ROOT / "recipes" / "accelerate" / name).is_file(), name
+    text = " ".join(recipes_page.read_text().split())
+    assert "checks every launch line of every recipe" not in text
+    assert "`tests/cli/test_recipes.py` launches nothing: it parses every recipe" in text
+
+
 def test_config_reference_lists_every_exgrpo_field():
     from dataclasses import fields
 
