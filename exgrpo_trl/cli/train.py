@@ -493,7 +493,8 @@ def _train_in(script_args: ScriptArguments, training_args: ExGRPOConfig, model_a
     if training_args.use_cpu or not torch.cuda.is_available():
         # two torch threads on a busy 2-core machine are 5-17 times slower than one (utils/threads.py)
         threads = limit_cpu_threads()
-        logger.info("CPU run: %d torch thread%s (OMP_NUM_THREADS sets more)", threads, "" if threads == 1 else "s")
+        if training_args.process_index == 0:  # printed, not logged: the default log level hides INFO
+            print(f"exgrpo train: {cpu_threads_line(threads)}", flush=True)
 
     checkpoint = resolve_checkpoint(training_args)
     complete = already_complete(training_args, checkpoint)
@@ -600,6 +601,12 @@ def _train_in(script_args: ScriptArguments, training_args: ExGRPOConfig, model_a
         mark_complete(training_args.output_dir, trainer.state.global_step, trainer.state.max_steps)
         print(where_it_went(training_args.output_dir, trainer.state.global_step, is_peft_trainer(trainer), pushed))
     return 0
+
+
+def cpu_threads_line(threads: int) -> str:
+    """What `exgrpo train` says about the CPU threads it trains on (one unless OMP_NUM_THREADS says more)."""
+    more = "OMP_NUM_THREADS sets more" if threads == 1 else "from OMP_NUM_THREADS"
+    return f"training on the CPU with {threads} torch thread{'' if threads == 1 else 's'} ({more})"
 
 
 def mark_complete(output_dir: str, global_step: int, max_steps: int) -> None:

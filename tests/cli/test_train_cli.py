@@ -172,6 +172,8 @@ def test_tiny_cpu_recipe_trains_evaluates_and_resumes(toy_dir, tmp_path):
     assert json.loads((out / "config.json").read_text())["use_cache"] is True
     # the saved tokenizer is still the char tokenizer
     assert len(load_tokenizer(str(out))) == 16
+    # the thread count it trains on is shown (docs/cpu.md says so; it was logged at INFO, which the default hides)
+    assert "exgrpo train: training on the CPU with 1 torch thread (OMP_NUM_THREADS sets more)" in first.stdout
     # the end of the run says where everything went
     assert first.stdout.splitlines()[-4:] == [
         "exgrpo train: done at step 2.",

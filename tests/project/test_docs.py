@@ -542,7 +542,15 @@ def _check_pip(words: list[str]) -> None:
         assert words[2:] == [".", "--no-deps", "-w", "dist"], words
         return
     assert words[1] == "install", words
-    targets = [w for i, w in enumerate(words[2:], 2) if not w.startswith("-") and words[i - 1] != "--index-url"]
+    with_value = ("--index-url", "--timeout", "--retries")
+    targets = [w for i, w in enumerate(words[2:], 2) if not w.startswith("-") and words[i - 1] not in with_value]
+    if "--index-url" in words and "download.pytorch.org" in words[words.index("--index-url") + 1]:
+        # PyTorch's own index, which some machines cannot reach: the short time-outs of make install's script, so
+        # that pip fails in seconds there (with its defaults it retried for 93 s on a machine without that index)
+        script = (ROOT / "scripts" / "install_torch.sh").read_text()
+        timeout, retries = re.search(r'--index-url "\$CPU_INDEX" --timeout (\d+) --retries (\d+)', script).groups()
+        assert words[words.index("--timeout") + 1 :][:1] == [timeout], words
+        assert words[words.index("--retries") + 1 :][:1] == [retries], words
     for target in targets:
         name, _, rest = target.partition("[")
         wanted = set(rest.rstrip("]").split(",")) if rest else set()
