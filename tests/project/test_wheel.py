@@ -104,8 +104,10 @@ def test_the_image_kit_runs_from_the_wheel(fresh_env):
         "print(type(model).__name__, tuple(batch['image_grid_thw'][0].tolist()), "
         "colour_reward([f\"It is {row['answer']}.\"], answer=[row['answer']]))"
     )
-    out = _run(str(work / "venv" / "bin" / "python"), "-c", code, env=env).stdout
-    assert out == "Qwen2VLForConditionalGeneration (1, 2, 2) [1.0]\n", out
+    run = subprocess.run(
+        [str(work / "venv" / "bin" / "python"), "-c", code], capture_output=True, text=True, env=env, cwd=work
+    )  # from `work`, so that the repository's folder is not on the path: the wheel's package is imported
+    assert run.stdout == "Qwen2VLForConditionalGeneration (1, 2, 2) [1.0]\n", run.stdout + run.stderr[-3000:]
 
 
 def test_the_wheel_holds_the_package_and_not_the_lab(fresh_env):
