@@ -9,7 +9,8 @@ compare the end with an uninterrupted run's, bitwise (issue 51).
 
 Each launch is the same command, from the repository root:
 
-    accelerate launch --config_file tests/multiprocess/{ddp,zero3}_cpu.yaml --num_processes 2 \\
+    accelerate launch --config_file {recipes/accelerate/cpu_ddp.yaml,tests/multiprocess/zero3_cpu.yaml} \\
+        --num_processes 2 \\
         -m exgrpo_trl.cli.train --config recipes/tiny_cpu.yaml --model_name_or_path TOY ...
 
 on 2 CPU processes (DDP over gloo, or DeepSpeed ZeRO-3 with DS_ACCELERATOR=cpu), with the CPU recipe on a tiny
@@ -97,7 +98,10 @@ def write_toy(folder: Path, questions: int) -> Path:
 
 
 def command(args, toy: Path, out: Path) -> list[str]:
-    config = ROOT / "tests" / "multiprocess" / f"{args.backend}_cpu.yaml"
+    # DDP: the shipped CPU config; ZeRO-3: the tests' (DeepSpeed on CPU processes)
+    config = ROOT / (
+        "recipes/accelerate/cpu_ddp.yaml" if args.backend == "ddp" else "tests/multiprocess/zero3_cpu.yaml"
+    )
     return [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
         "-m", "exgrpo_trl.cli.train", "--config", str(ROOT / "recipes" / "tiny_cpu.yaml"),

@@ -1,6 +1,6 @@
 """ExGRPO on a vision-language model on one device: replay with images, storage, checkpoints and an exact resume.
 
-A Qwen2-VL-shaped model built locally with random weights (the tests' tiny model, tests/support/tiny_vlm.py, at
+A Qwen2-VL-shaped model built locally with random weights (the tests' tiny model, exgrpo_trl/tasks/vision.py, at
 the size the flags give) on solid-colour images whose colour is the answer (every prompt's text is the same, so
 only the image tells questions apart). ExGRPOTrainer replays from the first generation batch; the script checks
 that every replayed group's rows carry their question's image (the row key, which holds the image's pixels, is the
@@ -33,7 +33,7 @@ from real_vocab import buffer_digest, train_from_checkpoint  # noqa: E402
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer  # noqa: E402
 from exgrpo_trl.buffer import image_digest, row_images, row_key  # noqa: E402
 from exgrpo_trl.state import STATE_DIRNAME  # noqa: E402
-from tests.support.tiny_vlm import build_tiny_processor, colour_reward, save_tiny_vlm, tiny_vlm_dataset  # noqa: E402
+from exgrpo_trl.tasks.vision import build_tiny_processor, colour_dataset, colour_reward, save_tiny_vlm  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def shapes(args) -> tuple[dict, dict]:
-    """The text and vision fields of the model's config (tests/support/tiny_vlm.py's `tiny_vlm_config`)."""
+    """The text and vision fields of the model's config (exgrpo_trl/tasks/vision.py's `tiny_vlm_config`)."""
     head_dim = args.hidden_size // args.heads
     pairs = head_dim // 2  # M-RoPE splits the rotary pairs over time, height and width: about 1/4, 3/8, 3/8
     section = [pairs // 4, (pairs - pairs // 4) // 2, pairs - pairs // 4 - (pairs - pairs // 4) // 2]
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         max_pixels=max_pixels,
     )  # fmt: skip
     processor = build_tiny_processor(max_pixels)
-    dataset = tiny_vlm_dataset(args.questions, seed=args.seed + 1, size=args.image_size)
+    dataset = colour_dataset(args.questions, seed=args.seed + 1, size=args.image_size)
     k, n = args.num_generations, args.generation_batches
 
     trainer = make_trainer(args, model_dir, processor, dataset, out / "run")

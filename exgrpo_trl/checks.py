@@ -3,7 +3,6 @@ work) and settings that would train, but not as the user expects (one warning ea
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 from typing import Any
@@ -12,9 +11,10 @@ from trl import GRPOConfig
 
 from .buffer import has_images
 from .config import ExGRPOConfig
-from .loss import SUPPORTED_LOSS_TYPES
 from .offline import check_offline_arguments
 from .replay import replay_never_fires
+from .reporting import require_loggers
+from .settings import SUPPORTED_LOSS_TYPES
 
 ENVIRONMENT_OWNED_DATA = (
     "ExGRPOTrainer needs a train_dataset with a 'prompt' column when environment_factory is given: without one the "
@@ -77,19 +77,6 @@ def check_prompt_column(dataset, name: str) -> None:
             "ExGRPOTrainer read each question from 'prompt': rename the question column, e.g. "
             "`dataset.rename_column('question', 'prompt')`."
         )
-
-
-# `report_to` value -> the package its transformers callback imports
-LOGGERS = {"wandb": "wandb", "trackio": "trackio", "tensorboard": "tensorboard", "mlflow": "mlflow"}
-
-
-def require_loggers(report_to) -> None:
-    """One line (ImportError) when a logger named in `report_to` ("wandb", ["wandb", "trackio"]) is not installed:
-    transformers finds out when the Trainer is built, in a long traceback, after the model has loaded."""
-    for name in [report_to] if isinstance(report_to, str) else list(report_to or []):
-        module = LOGGERS.get(name)
-        if module is not None and importlib.util.find_spec(module) is None:
-            raise ImportError(f"report_to: {name} needs {module}, which is not installed: pip install {module}")
 
 
 def check_chat_template(params: dict[str, Any]) -> None:

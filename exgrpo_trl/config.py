@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 
 from trl import GRPOConfig
 
-from .settings import ExGRPOSettings, settings_fields
+from .settings import ExGRPOSettings, num_generations_problem, settings_fields
 
 # transformers renamed gradient_checkpointing(_kwargs) to activation_checkpointing(_kwargs) after 5.17; before that
 # only the old names exist, and the recipes (which use the new ones) would not parse there without the fields below.
@@ -70,11 +70,9 @@ class ExGRPOConfig(ExGRPOSettings, GRPOConfig):
 
     def __post_init__(self):
         ExGRPOSettings.validate(self)
-        if self.num_generations is not None and self.num_generations < 2:
-            raise ValueError(
-                f"num_generations must be >= 2 for ExGRPO (a group needs K-1 fresh rollouts beside a replayed one "
-                f"and success buckets 1..K-1); got {self.num_generations}."
-            )
+        problem = num_generations_problem(self.num_generations)
+        if problem is not None:
+            raise ValueError(problem)
         if _OLD_CHECKPOINTING_NAMES:
             self._pass_checkpointing_to_old_names()
         elif self.gradient_checkpointing is None and self.activation_checkpointing is None:

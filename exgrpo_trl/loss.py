@@ -74,11 +74,6 @@ def aggregate_token_loss(
     raise ValueError(f"ExGRPO does not support loss_type={loss_type!r}")
 
 
-SUPPORTED_LOSS_TYPES = ("grpo", "sapo", "bnpo", "dr_grpo", "cispo", "dapo", "vespo", "luspo")
-# The loss types whose fresh tokens TRL clips PPO-style, clamp(r, 1 - epsilon_low, 1 + epsilon_high).
-PPO_CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-
-
 @dataclass
 class ReplayTokenStats:
     """One rank's sums over a micro-batch's replayed tokens (offline tokens apart) and over its offline tokens, for

@@ -32,7 +32,7 @@ import torch
 
 from .buffer import row_images
 from .experience import METRIC_PREFIX, ExGRPOState
-from .loss import PPO_CLIPPED_LOSS_TYPES, ReplayTokenStats, aggregate_token_loss, shaped_replay_token_loss
+from .loss import ReplayTokenStats, aggregate_token_loss, shaped_replay_token_loss
 from .replay import (
     PendingCollection,
     ReplayPlan,
@@ -46,6 +46,7 @@ from .replay import (
     threshold_mismatch,
     to_score,
 )
+from .settings import clip_removal_problem
 
 
 class BatchKey:
@@ -121,11 +122,9 @@ class ExGRPORun:
 
     def __init__(self, state: ExGRPOState, rollouts: Rollouts, metrics: dict[str, list[float]] | None = None):
         settings = state.settings
-        if settings.remove_clip_after_replay_start and rollouts.loss_type not in PPO_CLIPPED_LOSS_TYPES:
-            raise ValueError(
-                f"remove_clip_after_replay_start removes the PPO clip of loss_type in {PPO_CLIPPED_LOSS_TYPES}; "
-                f"loss_type {rollouts.loss_type!r} has none to remove."
-            )
+        problem = clip_removal_problem(settings, rollouts.loss_type)
+        if problem is not None:
+            raise ValueError(problem)
         self.state, self.rollouts = state, rollouts
         self.metrics = collections.defaultdict(list) if metrics is None else metrics
         self.pending: PendingCollection | None = None  # the last batch's outcome, until committed to the buffer

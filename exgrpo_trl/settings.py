@@ -21,6 +21,11 @@ from typing import Any
 QUESTION_SELECTIONS = ("gaussian", "uniform")
 TRAJECTORY_SELECTIONS = ("lowest_entropy", "random", "highest_entropy")
 OFFLINE_GUIDANCE = ("all_groups", "unsolved")
+# TRL's loss types ExGRPO computes its replayed-token term for (loss.aggregate_token_loss), and those whose fresh
+# tokens TRL clips PPO-style, clamp(r, 1 - epsilon_low, 1 + epsilon_high): here, free of torch, so that `exgrpo train`
+# checks a recipe's loss_type before torch is imported.
+SUPPORTED_LOSS_TYPES = ("grpo", "sapo", "bnpo", "dr_grpo", "cispo", "dapo", "vespo", "luspo")
+PPO_CLIPPED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 @dataclass
@@ -152,7 +157,8 @@ class ExGRPOSettings:
             "holding one or more reference completions per question (text or an assistant message, as OpenR1-Math's "
             "'target'). A question with one gets it as the first row of its fresh groups, beside K - 1 generated "
             "rollouts, with behaviour probability 1; a solution the reward functions do not score as solved is never "
-            "used again. None (default): off, the paper's ExGRPO."
+            "used again. Any column, 'answer' included; `exgrpo train` keeps it in the data by itself (no "
+            "keep_columns entry). None (default): off, the paper's ExGRPO."
         },
     )
     offline_guidance: str = field(
@@ -266,6 +272,26 @@ _CHECKS: dict[str, Any] = {
 }
 
 
+def num_generations_problem(num_generations: int | None) -> str | None:
+    """Why TRL's `num_generations` (K) cannot train ExGRPO (the whole message), or None."""
+    if num_generations is not None and num_generations < 2:
+        return (
+            f"num_generations must be >= 2 for ExGRPO (a group needs K-1 fresh rollouts beside a replayed one and "
+            f"success buckets 1..K-1); got {num_generations}."
+        )
+    return None
+
+
+def clip_removal_problem(settings: ExGRPOSettings, loss_type: str) -> str | None:
+    """Why `remove_clip_after_replay_start` cannot act with TRL's `loss_type` (the whole message), or None."""
+    if settings.remove_clip_after_replay_start and loss_type not in PPO_CLIPPED_LOSS_TYPES:
+        return (
+            f"remove_clip_after_replay_start removes the PPO clip of loss_type in {PPO_CLIPPED_LOSS_TYPES}; "
+            f"loss_type {loss_type!r} has none to remove."
+        )
+    return None
+
+
 # The model card's label of each setting it shows (`card_rows`), in field order.
 CARD_LABELS = {
     "replay_ratio": "replay ratio (rho)",
@@ -308,3 +334,19 @@ def settings_of(config: Any) -> ExGRPOSettings:
     if isinstance(config, ExGRPOSettings):
         return config
     return ExGRPOSettings(**{f.name: getattr(config, f.name) for f in fields(ExGRPOSettings)})
+
+
+# The settings that name a file or folder the run reads, with what to give instead: checked to exist before a run
+# (`missing_files`), not when a config is built (a recipe may be written where the file is not).
+FILE_SETTINGS = {"initial_experience": "give the folder or parquet file `exgrpo export` wrote"}
+
+
+def missing_files(values: dict[str, Any]) -> str | None:
+    """The first of `FILE_SETTINGS` in `values` (a recipe's and the command line's options) that names a path that
+    does not exist, as a one-line message; None when all are there."""
+    for name, hint in FILE_SETTINGS.items():
+        path = values.get(name)
+        if isinstance(path, str) and path and not os.path.exists(os.path.expanduser(path)):
+            return f"{name} {path} does not exist: {hint}"
+    return None
+

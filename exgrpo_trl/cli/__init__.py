@@ -77,10 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         except MissingDependency as e:
             print(f"exgrpo {name}: error: {e}", file=sys.stderr)
             return 1
-        if name == "train":  # a recipe's typo in well under a second, before TRL is imported
+        if name == "train":  # a recipe's mistake in well under a second, before torch is imported
             from .precheck import check
 
-            mistake = check(rest)
+            mistake = check(rest, before_run=True)
             if mistake is not None:
                 print(f"exgrpo train: error: {mistake}", file=sys.stderr)
                 return 2

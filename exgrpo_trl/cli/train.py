@@ -36,17 +36,19 @@ from trl import ScriptArguments as TrlScriptArguments
 
 from ..buffer import has_images
 from ..checkpoints import checkpoint_step, resolve_checkpoint
-from ..checks import require_loggers
 from ..config import ExGRPOConfig
 from ..offline import offline_columns
+from ..reporting import require_loggers
+from ..settings import SUPPORTED_LOSS_TYPES
 from ..state import StateFileError
-from ..tasks.math_data import filter_long_prompts, load_math_dataset
+from ..tasks.math_data import PRODUCED_COLUMNS, filter_long_prompts, load_math_dataset
 from ..tasks.rewards import REWARD_FUNCS, get_reward_funcs
 from ..utils.requirements import require
 from ..utils.threads import limit_cpu_threads
 from ..utils.tokenizer import load_processor, load_tokenizer
 from . import precheck
 from .interrupt import Interrupted, StopOnInterrupt
+from .output import surviving_output
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +133,14 @@ class ScriptArguments(TrlScriptArguments):
     validation_limit: int | None = field(
         default=None, metadata={"help": "Validate on the first N questions of each validation set only."}
     )
+    log_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "Also append everything this command prints to this file (the log, the progress, and the last "
+            "line: where an interrupted run stopped and how to resume it). Unlike `2>&1 | tee FILE`, which a "
+            "terminal's Ctrl-C kills with the run, nothing can cut it short."
+        },
+    )
     merge_adapter_on_push: bool = field(
         default=False,
         metadata={
@@ -163,6 +173,7 @@ COMMON_OPTIONS = (
     "resume_from_checkpoint",
     "use_peft",
     "push_to_hub",
+    "log_file",
 )
 
 
@@ -229,19 +240,44 @@ def short_help() -> str:
 
 def write_help() -> Path:
     """Write `short_help()` to cli/train_help.txt, which `exgrpo train --help` prints without importing TRL, and
-    `option_kinds()` to cli/train_options.json, which `precheck` checks recipes against before TRL is imported (`make
+    `option_table()` to cli/train_options.json, which `precheck` checks recipes against before TRL is imported (`make
     style` runs this; a test fails when either file is stale)."""
     from . import TRAIN_HELP
 
     TRAIN_HELP.write_text(short_help())
-    precheck.OPTIONS.write_text(json.dumps(option_kinds(), indent=0, sort_keys=True) + "\n")
+    sections = [
+        json.dumps(section)
+        + ": {\n"
+        + ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in sorted(rows.items()))
+        for section, rows in sorted(option_table().items())
+    ]
+    precheck.OPTIONS.write_text("{\n" + "\n},\n".join(sections) + "\n}\n}\n")  # one option a line
     return TRAIN_HELP
 
 
-def option_kinds() -> dict[str, str]:
-    """Every ``--option`` of `exgrpo train` and the kind of value it takes (`precheck.option_kind`)."""
+# GRPOConfig's string options that take one of a few values which TRL checks only once it trains (a misspelt
+# loss_type failed at the first step, after the model had loaded): those values, as TRL 1.16's help for each lists
+# them (a test keeps them so), for the check before torch is imported. loss_type: the ones ExGRPO supports, all of
+# TRL's.
+CLOSED_SETS = {
+    "loss_type": SUPPORTED_LOSS_TYPES,
+    "scale_rewards": ("group", "batch", "none"),
+    "importance_sampling_level": ("token", "sequence"),
+    "multi_objective_aggregation": ("sum_then_normalize", "normalize_then_sum"),
+    "vllm_mode": ("server", "colocate"),
+    "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+}
+
+
+def option_table() -> dict:
+    """Every ``--option`` of `exgrpo train` with the kind of value it takes (`precheck.option_kind`) and the field it
+    sets, and the closed sets of values: argparse's choices (transformers' enums, ModelConfig's literals) and
+    `CLOSED_SETS`."""
     actions = build_parser()._actions
-    return {o: precheck.option_kind(a) for a in actions for o in a.option_strings if o.startswith("--")}
+    options = {o: [precheck.option_kind(a), a.dest] for a in actions for o in a.option_strings if o.startswith("--")}
+    choices = {a.dest: [str(getattr(c, "value", c)) for c in a.choices] for a in actions if a.choices}
+    choices.update({name: list(values) for name, values in CLOSED_SETS.items()})
+    return {"choices": choices, "options": options}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, ExGRPOConfig, ModelConfig]:
@@ -278,34 +314,18 @@ def _with_suggestion(name: str, known: list[str], where: str) -> str:
     return name + precheck.suggestion(name, known)
 
 
-DATA_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".arrow", ".txt")
-
-
-def looks_like_local_path(name: str) -> bool:
-    """Whether a model or dataset name can only mean a local path: it starts like one (``/``, ``./``, ``../``,
-    ``~``), has more than one ``/`` (a Hub id is ``name`` or ``org/name``), ends like a data file, or its first folder
-    exists here."""
-    if name.startswith(("/", "./", "../", "~")) or "\\" in name:
-        return True
-    if name.count("/") > 1 or name.lower().endswith(DATA_SUFFIXES):
-        return True
-    return "/" in name and os.path.isdir(name.split("/")[0])
-
-
 def _check_local_paths(script_args: ScriptArguments, model_args: ModelConfig) -> None:
-    """A local path that does not exist fails here, in one line: transformers and datasets would take it for a Hub id
-    and retry the Hub for a minute before a connection error."""
+    """A local path that does not exist fails here, in one line (`exgrpo train` finds it before torch is imported;
+    this is for `python -m exgrpo_trl.cli.train` and `accelerate launch`)."""
     for what, name in (
         ("model_name_or_path", model_args.model_name_or_path),
         ("tokenizer_name_or_path", script_args.tokenizer_name_or_path),
         ("dataset_name", script_args.dataset_name),
         ("eval_dataset_name", script_args.eval_dataset_name),
     ):
-        if name and looks_like_local_path(name) and not os.path.exists(os.path.expanduser(name)):
-            raise FileNotFoundError(
-                f"{what} {name} is a local path that does not exist ({Path(name).expanduser().resolve()}); create "
-                "it first (a recipe's header says how), or give a Hub id (org/name)."
-            )
+        problem = precheck.local_path_problem(what, name) if name else None
+        if problem is not None:
+            raise FileNotFoundError(problem)
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -362,8 +382,11 @@ def reporting_errors(func: Callable) -> Callable:
 
 def data_columns(keep_columns: list[str], training_args: ExGRPOConfig) -> list[str]:
     """The dataset columns kept beside prompt and answer: `keep_columns`, and the offline solutions' column, which
-    offline guidance reads from the training rows (a user need not list it twice)."""
-    return [*keep_columns, *(c for c in offline_columns(training_args) if c not in keep_columns)]
+    offline guidance reads from the training rows (a user need not list it at all). The offline column may be any
+    column, ``answer`` included: that one is always there (`PRODUCED_COLUMNS`), the reference answers as
+    `answer_column` reads them, so it is not asked for again."""
+    wanted = [c for c in offline_columns(training_args) if c not in keep_columns and c not in PRODUCED_COLUMNS]
+    return [*keep_columns, *wanted]
 
 
 def model_init_kwargs(model_args: ModelConfig, training_args: ExGRPOConfig, vision: bool = False) -> dict:
@@ -485,7 +508,8 @@ def _train_in(script_args: ScriptArguments, training_args: ExGRPOConfig, model_a
     if training_args.use_cpu or not torch.cuda.is_available():
         # two torch threads on a busy 2-core machine are 5-17 times slower than one (utils/threads.py)
         threads = limit_cpu_threads()
-        logger.info("CPU run: %d torch thread%s (OMP_NUM_THREADS sets more)", threads, "" if threads == 1 else "s")
+        if training_args.process_index == 0:  # printed, not logged: the default log level hides INFO
+            print(f"exgrpo train: {cpu_threads_line(threads)}", flush=True)
 
     checkpoint = _same_on_every_rank(resolve_checkpoint(training_args))
     complete = already_complete(training_args, checkpoint)
@@ -594,6 +618,12 @@ def _train_in(script_args: ScriptArguments, training_args: ExGRPOConfig, model_a
     return 0
 
 
+def cpu_threads_line(threads: int) -> str:
+    """What `exgrpo train` says about the CPU threads it trains on (one unless OMP_NUM_THREADS says more)."""
+    more = "OMP_NUM_THREADS sets more" if threads == 1 else "from OMP_NUM_THREADS"
+    return f"training on the CPU with {threads} torch thread{'' if threads == 1 else 's'} ({more})"
+
+
 def mark_complete(output_dir: str, global_step: int, max_steps: int) -> None:
     """Written last, once the model, its card and any push are done: a rerun of the same command then has nothing
     left to do. A run killed before it (during the end-of-run saves) is finished by the rerun instead."""
@@ -672,23 +702,27 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in argv or "--help" in argv:
         print(short_help())
         return 0
-    try:
-        return train(*parse_args(argv))
-    except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C: where training stopped and how to go on, in one line
-        if debug:
-            raise
-        what = str(e) if isinstance(e, Interrupted) else "interrupted before training started; nothing was saved"
-        print(f"\nexgrpo train: {what}", file=sys.stderr)
-        return 130
-    except REPORTED_ERRORS as e:
-        if debug:
-            raise
-        message = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the message's own layout
-        if isinstance(e, UsageError):
-            print(f"exgrpo train: error: {message}", file=sys.stderr)
-            return 2
-        print(f"exgrpo train: error: {message} (--debug shows the traceback)", file=sys.stderr)
-        return 1
+    # a stdout or stderr whose reader is gone (`| tee` killed by Ctrl-C) never stops the run (cli/output.py)
+    with surviving_output() as output:
+        try:
+            script_args, training_args, model_args = parse_args(argv)
+            output.also_to(script_args.log_file)
+            return train(script_args, training_args, model_args)
+        except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C: where training stopped and how to go on, in one line
+            if debug:
+                raise
+            what = str(e) if isinstance(e, Interrupted) else "interrupted before training started; nothing was saved"
+            output.tell(f"\nexgrpo train: {what}")
+            return 130
+        except REPORTED_ERRORS as e:
+            if debug:
+                raise
+            message = " ".join(str(e).split()) or type(e).__name__  # one line, whatever the message's own layout
+            if isinstance(e, UsageError):
+                output.tell(f"exgrpo train: error: {message}")
+                return 2
+            output.tell(f"exgrpo train: error: {message} (--debug shows the traceback)")
+            return 1
 
 
 if __name__ == "__main__":

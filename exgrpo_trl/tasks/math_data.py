@@ -60,6 +60,7 @@ LUFFY_SYSTEM_PROMPT = (
 QUESTION_COLUMN_CANDIDATES = ("question", "problem")
 _VERL_ANSWER = ("reward_model", "ground_truth")  # where verl-format datasets (OpenR1-Math-46k) keep the answer
 _TMP_PREFIX = "__exgrpo_"
+PRODUCED_COLUMNS = ("prompt", "answer")  # the columns every loader returns, whatever the dataset named them
 _LOCAL_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -159,7 +160,7 @@ def to_math_prompts(
         mode, source = "question", found[0]
 
     for column in keep_columns:
-        if column in ("prompt", "answer"):
+        if column in PRODUCED_COLUMNS:
             raise ValueError(f"keep_columns lists {column!r}, which is always produced: remove it from keep_columns.")
         if column not in columns:
             raise _missing(dataset, "kept", column, "Remove it from keep_columns.")

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -387,16 +388,47 @@ REWARD_FUNCS: dict[str, str] = {
 }
 
 
-def get_reward_func(name: str) -> Callable:
-    """A reward function by registry name (`REWARD_FUNCS`) or by ``module:function`` path."""
-    target = REWARD_FUNCS.get(name, name)
-    module_name, sep, attr = target.partition(":")
+def _unknown_reward(name: str) -> str | None:
+    module_name, sep, attr = REWARD_FUNCS.get(name, name).partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(
-            f"unknown reward function {name!r}: use one of {sorted(REWARD_FUNCS)} or a 'module:function' path."
-        )
+        return f"unknown reward function {name!r}: use one of {sorted(REWARD_FUNCS)} or a 'module:function' path."
+    return None
+
+
+def _search_the_current_folder() -> None:
     if os.getcwd() not in sys.path and "" not in sys.path:  # the current folder, after everything installed
         sys.path.append(os.getcwd())
+
+
+def reward_func_problem(name: str, find_module: bool = True) -> str | None:
+    """What is wrong with reward function `name` that can be told without running any of its code (`exgrpo train`
+    asks before torch is imported): an unknown registry name, or (`find_module`) a ``module:function`` whose module
+    cannot be found from here. None when nothing is."""
+    problem = _unknown_reward(name)
+    if problem is not None or not find_module:
+        return problem
+    module_name = REWARD_FUNCS.get(name, name).partition(":")[0]
+    _search_the_current_folder()
+    try:
+        found = importlib.util.find_spec(module_name) is not None
+    except (ImportError, ValueError):  # a parent package that is missing or fails to import
+        found = False
+    if not found:
+        return (
+            f"reward function {name!r}: no module {module_name!r} in the folder you launch from or on the Python "
+            "path (PYTHONPATH)"
+        )
+    return None
+
+
+def get_reward_func(name: str) -> Callable:
+    """A reward function by registry name (`REWARD_FUNCS`) or by ``module:function`` path."""
+    problem = _unknown_reward(name)
+    if problem is not None:
+        raise ValueError(problem)
+    target = REWARD_FUNCS.get(name, name)
+    module_name, _, attr = target.partition(":")
+    _search_the_current_folder()
     try:
         func = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:

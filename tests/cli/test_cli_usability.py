@@ -5,9 +5,16 @@ on, and no transformers deprecation warning for an option nobody set."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import re
+import shlex
+import signal
 import subprocess
 import sys
+import termios
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -89,9 +96,9 @@ def test_recipe_mistakes_are_found_before_trl_is_imported(tmp_path):
     import json
 
     from exgrpo_trl.cli.precheck import OPTIONS
-    from exgrpo_trl.cli.train import option_kinds
+    from exgrpo_trl.cli.train import option_table
 
-    assert json.loads(OPTIONS.read_text()) == option_kinds(), "train_options.json is stale: make style"
+    assert json.loads(OPTIONS.read_text()) == option_table(), "train_options.json is stale: make style"
     typo = tmp_path / "typo.yaml"
     typo.write_text("learning_rate: 1.0e-4\nlerning_rate: 2\n")
     bad = tmp_path / "bad.yaml"
@@ -111,6 +118,160 @@ def test_recipe_mistakes_are_found_before_trl_is_imported(tmp_path):
         assert run.stdout.strip() == "[]", run.stdout  # neither torch nor TRL was imported
         assert seconds < 2, f"{seconds:.2f}s"
         print(f"{message}: {seconds:.2f}s")
+
+
+# What a value error cost before it was checked ahead of torch (issue 53, a 2-core machine at load 2-7): 5-90 s to
+# import torch, transformers and TRL first; a misspelt loss_type only at the first step, once the model had loaded; a
+# Hub id on a machine without the Hub 53 s of retries.
+REFUSED = "import sys, exgrpo_trl.cli as c; print(c.main(sys.argv[1:]), sorted({'torch', 'trl'} & set(sys.modules)))"
+
+
+def _refusal_cases(tmp_path: Path, toy_dir: Path) -> list[tuple[str, list[str], dict, str]]:
+    """(id, argv, environment, the error line as a regular expression)."""
+    q = re.escape
+    config, model = ["--config", str(TINY_RECIPE)], ["--model_name_or_path", str(toy_dir)]
+    data = ["--dataset_name", str(toy_dir / "train.jsonl")]
+    base = [*config, *model, *data]
+    ranges = tmp_path / "ranges.yaml"
+    ranges.write_text(TINY_RECIPE.read_text() + "\nreplay_mu: 1.5\n")
+    hub = ["--model_name_or_path", "someorg/not-in-any-cache"]
+    no_hub = {"HF_HOME": str(tmp_path / "empty-hf-home")}
+    unreachable = {**no_hub, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    on_the_hub = "model_name_or_path someorg/not-in-any-cache is not a local path, so a model on the Hub, and "
+    not_there = "is a local path that does not exist"
+    return [
+        ("range-flag", [*base, "--replay_ratio", "-0.5"], {}, q("replay_ratio must be in [0, 1], got -0.5.")),
+        (
+            "range-recipe",
+            ["--config", str(ranges), *model, *data],
+            {},
+            q("replay_mu must be in [0, 1] (a success rate), got 1.5."),
+        ),
+        (
+            "loss-type",
+            [*base, "--loss_type", "drgrpo"],
+            {},
+            q("loss_type must be one of grpo, sapo, bnpo, dr_grpo, cispo, dapo, vespo, luspo; got 'drgrpo'"),
+        ),
+        (
+            "group-size",
+            [*base, "--num_generations", "1"],
+            {},
+            q("num_generations must be >= 2 for ExGRPO (a group needs K-1 fresh rollouts beside a replayed one ")
+            + ".*",
+        ),
+        (
+            "enum",
+            [*base, "--lr_scheduler_type", "constnat"],
+            {},
+            q("lr_scheduler_type must be one of linear, cosine, ") + ".*" + q("; got 'constnat'"),
+        ),
+        (
+            "clip-and-loss",
+            [*base, "--loss_type", "cispo", "--remove_clip_after_replay_start", "true"],
+            {},
+            q("remove_clip_after_replay_start removes the PPO clip of loss_type in (")
+            + ".*"
+            + q("has none to remove."),
+        ),
+        (
+            "reward-name",
+            [*base, "--reward_funcs", "toy_adition"],
+            {},
+            q("unknown reward function 'toy_adition': use one of ['math_verify', 'toy_addition'] or a ") + ".*",
+        ),
+        (
+            "reward-module",
+            [*base, "--reward_funcs", "my_rewardz:score"],
+            {},
+            q("reward function 'my_rewardz:score': no module 'my_rewardz' in the folder you launch from") + ".*",
+        ),
+        (
+            "model-path",
+            config,
+            {},
+            q(f"model_name_or_path ./outputs/tiny-toy {not_there} ({tmp_path / 'outputs' / 'tiny-toy'})") + ".*",
+        ),
+        (
+            "data-file",
+            [*config, *model, "--dataset_name", "data/train.jsonl"],
+            {},
+            q(f"dataset_name data/train.jsonl {not_there} ({tmp_path / 'data' / 'train.jsonl'})") + ".*",
+        ),
+        (
+            "seed-export",
+            [*base, "--initial_experience", "no-export"],
+            {},
+            q("initial_experience no-export does not exist: give the folder or parquet file `exgrpo export` wrote"),
+        ),
+        (
+            "hub-offline",
+            [*config, *hub, *data],
+            {**no_hub, "HF_HUB_OFFLINE": "1"},
+            q(on_the_hub + "offline mode is on (HF_HUB_OFFLINE=1) with no copy in the local cache (") + ".*",
+        ),
+        (
+            "hub-unreachable",
+            [*config, *hub, *data],
+            unreachable,
+            q(on_the_hub + "the Hub (http://127.0.0.1:9) cannot be reached (") + ".+" + q(") with no copy") + ".*",
+        ),
+    ]
+
+
+def test_value_errors_are_refused_before_torch_is_imported(tmp_path, toy_dir):
+    """Every kind of value a recipe or a flag can hold that cannot train (an ExGRPO setting out of range, from the
+    command line or the recipe; a group size ExGRPO cannot replay in; a value outside its option's closed set, TRL's
+    loss_type included; remove_clip with a loss type without a clip; a reward function that cannot be found; a local
+    path, a file to seed the buffer from, a Hub id the machine cannot fetch) is one line naming the field, exit code
+    2, before torch or TRL is imported."""
+    for name, argv, env, line in _refusal_cases(tmp_path, toy_dir):
+        start = time.perf_counter()
+        command = [sys.executable, "-c", REFUSED, "train", *argv]
+        run = subprocess.run(command, cwd=tmp_path, env={**ENV, **env}, capture_output=True, text=True, timeout=120)
+        seconds = time.perf_counter() - start
+        (error,) = run.stderr.splitlines() or [""]
+        assert re.fullmatch("exgrpo train: error: " + line, error), (name, run.stderr[-2000:])
+        assert run.stdout.strip() == "2 []", (name, run.stdout)  # exit code 2; neither torch nor TRL was imported
+        assert seconds < 10, (name, seconds)
+        print(f"{name}: {seconds:.2f}s")
+
+
+def test_a_cached_hub_model_runs_offline_when_the_hub_cannot_be_reached(tmp_path, monkeypatch):
+    """With the Hub unreachable, transformers retried it before reading a cached model (195 s for one step of the
+    toy model at load 4-6): the check asks the Hub once, and with the model in the cache turns offline mode on for
+    the run (huggingface_hub's flag, and the variable datasets reads when it is imported)."""
+    from huggingface_hub import constants
+
+    from exgrpo_trl.cli import precheck
+
+    (tmp_path / "hub" / "models--someorg--cached" / "snapshots" / "abc").mkdir(parents=True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert precheck.hub_unreachable("http://127.0.0.1:9")  # nothing listens there
+    assert "cannot be reached" in precheck.hub_problem("model_name_or_path", "someorg/missing", "model")
+    assert constants.HF_HUB_OFFLINE is False
+    assert precheck.hub_problem("model_name_or_path", "someorg/cached", "model") is None
+    assert constants.HF_HUB_OFFLINE is True and os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+def test_closed_sets_are_the_values_trl_documents():
+    """The values `exgrpo train` allows for TRL's string options with a closed set are each named in TRL's help for
+    the option, and loss_type's are every one TRL 1.16 lists."""
+    from dataclasses import fields
+
+    from trl import GRPOConfig
+
+    from exgrpo_trl.cli.train import CLOSED_SETS
+
+    helps = {f.name: f.metadata["help"] for f in fields(GRPOConfig)}
+    for name, values in CLOSED_SETS.items():
+        for value in values:
+            assert re.search(rf"[`']{value}[`']", helps[name]), (name, value)
+    listed = re.search(r"Supported values are (.*?)\. ", helps["loss_type"]).group(1)
+    assert set(re.findall(r"'(\w+)'", listed)) == set(CLOSED_SETS["loss_type"])
 
 
 def test_no_deprecation_warning_for_an_option_not_used():
@@ -245,6 +406,78 @@ def test_ctrl_c_is_one_line_and_rerunning_resumes(toy_dir, tmp_path):
     subprocess.run(argv, env=ENV, capture_output=True, text=True, timeout=300, check=True)
     resumed, never = load_file(out / "model.safetensors"), load_file(straight / "model.safetensors")
     assert resumed.keys() == never.keys() and all(resumed[k].equal(never[k]) for k in never)
+
+
+def _in_a_terminal(script: str, cwd: Path, env: dict) -> tuple[int, str]:
+    """Run the shell command line `script` as a terminal runs it: bash in a session of its own, a pseudo-terminal as
+    its controlling terminal and its stdin, stdout and stderr; returns bash's exit status and what the terminal
+    showed (its lines, carriage returns removed)."""
+    master, slave = os.openpty()
+    shell = subprocess.Popen(
+        ["bash", "-c", script],
+        cwd=cwd,
+        env=env,
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+        preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+    )
+    os.close(slave)
+    shown = bytearray()
+
+    def read_the_terminal():
+        with contextlib.suppress(OSError):  # EIO once the session has ended
+            while chunk := os.read(master, 65536):
+                shown.extend(chunk)
+
+    reader = threading.Thread(target=read_the_terminal, daemon=True)
+    reader.start()
+    try:
+        status = shell.wait(timeout=300)
+    finally:
+        if shell.poll() is None:
+            os.killpg(shell.pid, signal.SIGKILL)
+        reader.join(timeout=10)
+        os.close(master)
+    return status, shown.decode(errors="replace").replace("\r", "")
+
+
+@pytest.mark.parametrize("redirect", ["2>&1", "2>err.log"])
+def test_ctrl_c_through_tee_saves_the_step_and_says_where(toy_dir, tmp_path, redirect):
+    """`exgrpo train ... 2>&1 | tee` in a terminal, Ctrl-C during step 3: the terminal sends SIGINT to the whole
+    command line, tee dies, and the trainer's next write to the pipe ended the run (exit 1, no checkpoint of step 3,
+    no message; with `2>err.log | tee`, the same). Now the step ends, its checkpoint is saved, the exit code is 130 and
+    the resume line reaches the user: on the terminal (the pipe is gone), in stderr's file when it is one, and in
+    --log_file. Then the same command resumes from that checkpoint. (The reward sends SIGINT to the process group at
+    its third call and waits until tee has gone, so that the run writes to a pipe with no reader.)"""
+    out = tmp_path / "out"
+    argv = [*_exgrpo(), *_train_args(toy_dir, out, "--max_steps", "4", "--save_steps", "100", "--log_file", "run.log")]
+    interrupted = [*argv, "--reward_funcs", "tests.support.cli_rewards:interrupting_reward"]
+    script = f"trap true INT; {shlex.join(interrupted)} {redirect} | tee tee.log; echo ${{PIPESTATUS[0]}} > status"
+    env = {**ENV, "EXGRPO_TEST_INTERRUPT_AT": "3", "EXGRPO_TEST_INTERRUPT_GROUP": "1"}
+    _, terminal = _in_a_terminal(script, tmp_path, env)
+
+    line = (
+        f"exgrpo train: interrupted at step 3 of 4; rerun the same command to resume from the newest checkpoint, "
+        f"{out / 'checkpoint-3'}"
+    )
+    assert (tmp_path / "status").read_text().split() == ["130"], terminal[-3000:]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3"]
+    assert terminal.splitlines()[-1] == line, terminal[-3000:]  # after what tee showed before it died
+    assert (tmp_path / "run.log").read_text().splitlines()[-1] == line
+    assert "'loss'" in (tmp_path / "run.log").read_text()  # the whole log, the training rows included
+    if redirect == "2>err.log":
+        assert (tmp_path / "err.log").read_text().splitlines()[-1] == line
+    for text in (terminal, (tmp_path / "run.log").read_text()):
+        assert "Broken pipe" not in text and "Traceback" not in text
+
+    if redirect == "2>&1":  # the same command, this time not interrupted, goes on from checkpoint-3
+        again = subprocess.run(argv, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"Resuming from checkpoint {out / 'checkpoint-3'}" in again.stdout + again.stderr
+        assert "exgrpo train: done at step 4." in again.stdout
+        assert "Resuming from checkpoint" in (tmp_path / "run.log").read_text()  # appended to the same log
 
 
 # ----------------------------------------------------------------------------------------------------- dependencies
@@ -409,9 +642,11 @@ def test_demo_warm_start_runs_on_one_thread(tmp_path, monkeypatch, two_threads):
     ids=["vllm", "deepspeed", "wandb"],
 )
 def test_train_checks_the_packages_its_recipe_needs_first(tmp_path, monkeypatch, capsys, argv, message):
-    """TRL finds a missing vLLM only after the model has loaded; the recipe says what the run will need."""
+    """TRL finds a missing vLLM only after the model has loaded; the recipe says what the run will need, and `exgrpo
+    train` checks it with the recipe's values, before torch is imported (and before the paths: ./outputs/tiny-toy is
+    not there)."""
     from exgrpo_trl.utils import requirements
 
     monkeypatch.setattr(requirements, "missing", lambda module: module in ("vllm", "deepspeed"))
-    assert main(["train", "--config", str(TINY_RECIPE), "--output_dir", str(tmp_path / "out"), *argv]) == 1
-    assert capsys.readouterr().err.splitlines()[-1] == f"exgrpo train: error: {message} (--debug shows the traceback)"
+    assert main(["train", "--config", str(TINY_RECIPE), "--output_dir", str(tmp_path / "out"), *argv]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"exgrpo train: error: {message}"]

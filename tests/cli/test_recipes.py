@@ -1,4 +1,9 @@
-"""Every recipe parses with TrlParser, opens with its launch commands, and the 7B recipe carries §9's values."""
+"""What the recipes say, checked without running any of them (nothing here launches a process or loads a model):
+every recipe parses with `exgrpo train`'s parser (TrlParser), opens with its launch commands, and each launch line's
+overrides parse; each layout's batch arithmetic holds (512 rows per optimizer step, 1,024 per generation batch, 1,400
+steps) and its vLLM server and training GPUs do not overlap; the 7B recipe carries §9's values, the variants differ
+from it only where intended, and the recipes' objective matches the reference run's; the accelerate configs load.
+Where the recipes have actually run: docs/recipes.md, "Where it has run"."""
 
 from __future__ import annotations
 
@@ -79,7 +84,7 @@ def test_recipe_set():
         "tiny_cpu.yaml",
         "qwen2_5_vl_3b.yaml",
     }
-    assert {p.name for p in ACCELERATE} == {"zero3.yaml", "ddp.yaml", "zero3_multinode.yaml"}
+    assert {p.name for p in ACCELERATE} == {"zero3.yaml", "ddp.yaml", "zero3_multinode.yaml", "cpu_ddp.yaml"}
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.name)
@@ -280,7 +285,7 @@ def _diff(a, b):
         ),
         ("llama8b_base.yaml", {"model_name_or_path", "replay_start_pass_rate"}),
         ("qwen7b_instruct.yaml", {"model_name_or_path"}),
-        ("qwen7b_offline.yaml", {"keep_columns", "offline_solutions_column"}),
+        ("qwen7b_offline.yaml", {"offline_solutions_column"}),
         (
             "qwen1.5b.yaml",
             {
@@ -303,21 +308,23 @@ def test_variants_differ_from_the_7b_recipe_only_where_intended(name, expected):
     if name == "qwen7b_colocate.yaml":
         assert variant["vllm_mode"] == "colocate"
     if name == "qwen7b_offline.yaml":
-        assert variant["offline_solutions_column"] == "target" and variant["keep_columns"] == ["target"]
+        assert variant["offline_solutions_column"] == "target" and variant["keep_columns"] == []
         assert variant["offline_guidance"] == "all_groups"  # LUFFY's rule (the default)
 
 
 def test_offline_recipe_on_the_shipped_sample():
     """The offline recipe's data path on OpenR1-Math-46k's shipped sample (its schema): the `target` column reaches
-    the trainer's dataset, each row holds one solution as the guide reads it, and the recipe's reward scores every
-    one of them solved, so none would be rejected."""
+    the trainer's dataset without a keep_columns entry, each row holds one solution as the guide reads it, and the
+    recipe's reward scores every one of them solved, so none would be rejected."""
+    from exgrpo_trl.cli.train import data_columns
     from exgrpo_trl.offline import offline_texts
     from exgrpo_trl.tasks.math_data import load_math_dataset
     from exgrpo_trl.tasks.rewards import math_reward
 
     script_args, args, _ = parse(ROOT / "recipes" / "qwen7b_offline.yaml")
     sample = ROOT / "tests" / "data" / "openr1_math_46k_sample.jsonl"
-    dataset = load_math_dataset(str(sample), split="train", keep_columns=script_args.keep_columns)
+    columns = data_columns(script_args.keep_columns, args)  # as `exgrpo train` loads it
+    dataset = load_math_dataset(str(sample), split="train", keep_columns=columns)
     column = args.offline_solutions_column
     assert set(dataset.column_names) == {"prompt", "answer", column} and len(dataset) == 6
     texts = [offline_texts(row[column], column) for row in dataset]
@@ -360,6 +367,29 @@ def test_accelerate_configs_load_and_say_what_they_are():
     assert (multi.num_machines, multi.num_processes) == (2, 16)
     for path in ACCELERATE:
         assert launch_lines(path, "accelerate launch"), f"{path.name} must open with an example launch command"
+
+
+def test_cpu_processes_config_launches_the_tiny_recipe_with_its_batch():
+    """recipes/accelerate/cpu_ddp.yaml: CPU processes under torchrun (MULTI_GPU is what makes accelerate start
+    num_processes of them; use_cpu keeps them on the CPU, over gloo), no mixed precision; its launch line is
+    `exgrpo train`'s with the tiny recipe, and its per-device batch keeps the recipe's 128 rows per optimizer step
+    over its 2 processes. tests/multiprocess launches its DDP runs with this file; it ran this line once (4 steps, two
+    processes, 11.5 s at load 4.1)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    path = ROOT / "recipes" / "accelerate" / "cpu_ddp.yaml"
+    config = load_config_from_file(str(path))
+    assert (config.distributed_type, config.use_cpu, config.mixed_precision) == ("MULTI_GPU", True, "no")
+    assert (config.num_processes, config.num_machines) == (2, 1)
+    (line,) = [line for line in launch_lines(path, "accelerate launch") if line.startswith("accelerate launch")]
+    tokens = tokens_of(line)
+    assert tokens[:4] == ["accelerate", "launch", "--config_file", "recipes/accelerate/cpu_ddp.yaml"]
+    assert tokens[4:7] == ["-m", "exgrpo_trl.cli.train", "--config"]
+    _, single, _ = parse(ROOT / "recipes" / "tiny_cpu.yaml")
+    _, args, _ = parse(ROOT / "recipes" / "tiny_cpu.yaml", *after_config(line, "tiny_cpu.yaml"))
+    rows = args.per_device_train_batch_size * config.num_processes * args.gradient_accumulation_steps
+    assert rows == single.per_device_train_batch_size * single.gradient_accumulation_steps == 128
+    assert "recipes/accelerate/cpu_ddp.yaml" in (ROOT / "tests" / "multiprocess" / "test_multiprocess.py").read_text()
 
 
 def test_docs_list_every_recipe():

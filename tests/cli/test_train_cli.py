@@ -173,6 +173,8 @@ def test_tiny_cpu_recipe_trains_evaluates_and_resumes(toy_dir, tmp_path):
     assert json.loads((out / "config.json").read_text())["use_cache"] is True
     # the saved tokenizer is still the char tokenizer
     assert len(load_tokenizer(str(out))) == 16
+    # the thread count it trains on is shown (docs/cpu.md says so; it was logged at INFO, which the default hides)
+    assert "exgrpo train: training on the CPU with 1 torch thread (OMP_NUM_THREADS sets more)" in first.stdout
     # the end of the run says where everything went
     assert first.stdout.splitlines()[-4:] == [
         "exgrpo train: done at step 2.",
@@ -247,8 +249,8 @@ def _bad_recipe(tmp_path):
         ),
         (
             ["--config", str(TINY_RECIPE), "--replay_ratio", "2"],
-            1,
-            "replay_ratio must be in [0, 1], got 2.0. (--debug shows the traceback)",
+            2,
+            "replay_ratio must be in [0, 1], got 2.0.",  # before torch is imported (cli/precheck.py)
         ),
         (["--config", "BAD"], 2, "unknown key replay_ration in BAD (did you mean replay_ratio?)"),
         (
@@ -260,9 +262,9 @@ def _bad_recipe(tmp_path):
                 "--dataset_name",
                 "/nowhere/t.jsonl",
             ],
-            1,
+            2,
             "model_name_or_path /nowhere/tiny is a local path that does not exist (/nowhere/tiny); create it first "
-            "(a recipe's header says how), or give a Hub id (org/name). (--debug shows the traceback)",
+            "(a recipe's header says how), or give a Hub id (org/name).",
         ),
     ],
     ids=["missing-recipe", "config-without-path", "misspelled-flag", "bad-int", "bad-value", "bad-key", "no-model"],
@@ -279,7 +281,7 @@ def test_errors_are_one_line(tmp_path, capsys, argv, code, message):
 
 
 def test_debug_shows_the_traceback(monkeypatch):
-    from exgrpo_trl.cli import main
+    from exgrpo_trl.cli.train import main  # `exgrpo train` finds this one before (precheck), without a traceback
 
     with pytest.raises(ValueError, match=r"replay_ratio must be in \[0, 1\]"):
         main(["train", "--config", str(TINY_RECIPE), "--replay_ratio", "2", "--debug"])
@@ -325,9 +327,13 @@ def test_a_run_that_fails_before_training_leaves_no_output_folder(tmp_path, toy_
     assert (out / "notes.txt").read_text() == "mine"
 
 
-def test_offline_solutions_column_is_kept_without_keep_columns(tmp_path, toy_dir, capsys):
+@pytest.mark.parametrize("column", ["solution", "answer"])
+def test_offline_solutions_column_is_kept_without_keep_columns(tmp_path, toy_dir, capsys, column):
     """`--offline_solutions_column solution` alone trains: the column reaches the dataset (it used to fail unless it
-    was also in keep_columns, with an error that did not say so)."""
+    was also in keep_columns, with an error that did not say so). So does the answer column itself, whose reference
+    answers are whole completions in the toy task: the command put it into keep_columns, which the loader refused
+    (`keep_columns lists 'answer', which is always produced`, issue 53), although the recipe's keep_columns was
+    [digits]. One step with 2 questions: every group gets its offline row (exgrpo/offline/groups 1.0)."""
     from exgrpo_trl.cli import main
     from exgrpo_trl.cli.train import data_columns
 
@@ -336,14 +342,32 @@ def test_offline_solutions_column_is_kept_without_keep_columns(tmp_path, toy_dir
     data.write_text("".join(json.dumps({**r, "solution": r["answer"]}) + "\n" for r in rows))
     out = tmp_path / "out"
     argv = ["train", *toy_recipe_args(toy_dir, out), "--dataset_name", str(data), "--offline_solutions_column",
-            "solution", "--max_steps", "1", "--save_strategy", "no", "--per_device_train_batch_size", "16",
+            column, "--max_steps", "1", "--save_strategy", "no", "--per_device_train_batch_size", "16",
             "--generation_batch_size", "16", "--logging_steps", "1"]  # fmt: skip
     assert main(argv) == 0, capsys.readouterr().err[-2000:]
     state = json.loads((out / "trainer_state.json").read_text())
-    assert any("exgrpo/offline/groups" in e for e in state["log_history"])
-    _, args, _ = parse_args(["--config", str(TINY_RECIPE), "--offline_solutions_column", "solution"])
-    assert data_columns(["digits"], args) == ["digits", "solution"]
+    assert [e["exgrpo/offline/groups"] for e in state["log_history"] if "exgrpo/offline/groups" in e] == [1.0]
+    _, args, _ = parse_args(["--config", str(TINY_RECIPE), "--offline_solutions_column", column])
+    kept = ["digits", "solution"] if column == "solution" else ["digits"]
+    assert data_columns(["digits"], args) == kept
     assert data_columns(["digits", "solution"], args) == ["digits", "solution"]
+
+
+def test_the_offline_column_needs_no_keep_columns_anywhere():
+    """The trainer page said to list the offline column in keep_columns, the command keeps it by itself: the page,
+    the option's help (exgrpo train --help) and the offline recipe now say the same (issue 53)."""
+    from exgrpo_trl.cli import TRAIN_HELP
+
+    page = (ROOT / "docs" / "exgrpo_trainer.md").read_text()
+    section = page[page.index("## Offline guidance") : page.index("## How it works inside TRL")]
+    assert "`keep_columns: [" not in section and "with no `keep_columns` entry" in section
+    assert "`answer` included" in section
+    help_text = " ".join(TRAIN_HELP.read_text().split())
+    assert "Any column, 'answer' included; `exgrpo train` keeps it in the data by itself (no keep_columns entry)" in (
+        help_text
+    )
+    recipe = (ROOT / "recipes" / "qwen7b_offline.yaml").read_text()
+    assert "\nkeep_columns" not in recipe and "without a keep_columns entry" in recipe
 
 
 def test_chat_prompts_without_a_chat_template_fail_in_one_line_before_training(tmp_path, toy_dir, capsys):

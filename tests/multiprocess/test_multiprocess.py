@@ -12,8 +12,8 @@ file; the tests compare them:
 - the same forward passes on every rank at every step (entropy scoring included), so ZeRO-3 cannot hang; a launch
   that hangs or fails fails the test (subprocess timeout, the whole process group killed).
 
-Why the accelerate configs look the way they do: see tests/multiprocess/ddp_cpu.yaml and
-tests/multiprocess/zero3_cpu.yaml.
+Why the accelerate configs look the way they do: see recipes/accelerate/cpu_ddp.yaml (the shipped CPU config, which
+the DDP runs launch) and tests/multiprocess/zero3_cpu.yaml.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def launch(
         env.pop(var, None)  # leftovers of an enclosing launch must not leak into this one
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(MP / config), "--num_processes", "2",
+        "--config_file", str(ROOT / config if "/" in config else MP / config), "--num_processes", "2",
         str(MP / script), "--out", str(out), *script_args,
     ]  # fmt: skip
     log = out / "launch.log"
@@ -120,7 +120,8 @@ def _launched(tmp_path_factory, kind: str, *extra: str):
     if kind == "zero3" and not HAS_DEEPSPEED:
         pytest.skip("deepspeed is not installed (pip install deepspeed)")
     out = tmp_path_factory.mktemp("_".join([kind, *(flag.lstrip("-") for flag in extra)]))
-    return out, launch(f"{kind}_cpu.yaml", out, "--expect", kind, "--uneven", "--resume", *extra)
+    config = "recipes/accelerate/cpu_ddp.yaml" if kind == "ddp" else "zero3_cpu.yaml"  # DDP: the shipped config
+    return out, launch(config, out, "--expect", kind, "--uneven", "--resume", *extra)
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,8 @@ def _resumed(tmp_path_factory, kind: str):
         pytest.skip("deepspeed is not installed (pip install deepspeed)")
     out = tmp_path_factory.mktemp(f"resume_ranks_{kind}")
     scenarios = [arg for s in SCENARIOS for arg in ("--scenario", s)]
-    return out, launch(f"{kind}_cpu.yaml", out, "--expect", kind, *scenarios, script="resume_exact.py")
+    config = "recipes/accelerate/cpu_ddp.yaml" if kind == "ddp" else "zero3_cpu.yaml"  # DDP: the shipped config
+    return out, launch(config, out, "--expect", kind, *scenarios, script="resume_exact.py")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ the test compares to OUT/rank{r}.json:
   (a rank runs as many tool turns as its own rows need), every 6th question always solved so that some retire;
 - with --offline: offline guidance (algorithm §11) from a `solution` column: per generation batch the global rows this
   rank gave an offline solution, and the guide's state (rejected solutions, questions solved) after training;
-- with --vlm: the tiny Qwen2-VL of tests/support/tiny_vlm.py on its colour questions (the answer is in the image).
+- with --vlm: the tiny Qwen2-VL of exgrpo_trl/tasks/vision.py on its colour questions (the answer is in the image).
 
 Options are plain argv flags so the launch command stays short.
 """
@@ -105,14 +105,14 @@ def build(out: Path, args, max_steps: int, break_padding: bool = False) -> Recor
     if args.tools:
         tokenizer, model, dataset, reward, extra = tool_setup()
     elif args.vlm:  # the tiny Qwen2-VL: questions are images (every prompt's text is the same), the processor's
-        from tests.support.tiny_vlm import build_tiny_processor, colour_reward, save_tiny_vlm, tiny_vlm_dataset
+        from exgrpo_trl.tasks.vision import build_tiny_processor, colour_dataset, colour_reward, save_tiny_vlm
 
         # loaded from a folder, as a user's model is: once ZeRO-3 is set up, a model built from its config is
         # partitioned while transformers initialises its weights (the resumed trainer's would fail there)
         model_dir = out / f"tiny-vlm-rank{os.environ.get('LOCAL_RANK', '0')}"
         if not model_dir.exists():
             save_tiny_vlm(model_dir)
-        model, tokenizer, dataset = str(model_dir), build_tiny_processor(), tiny_vlm_dataset(24, seed=1)
+        model, tokenizer, dataset = str(model_dir), build_tiny_processor(), colour_dataset(24, seed=1)
         reward, extra = colour_reward, {}
     else:
         tokenizer = build_char_tokenizer()

@@ -234,7 +234,7 @@ def test_vlm_smoke_counts_a_replayed_row_without_its_image(monkeypatch):
 
     rows = [{"prompt": "q", "image": None} for _ in range(4)]
     plan = SimpleNamespace(group_indices=[1], keys=["key of the image question"])
-    run = SimpleNamespace(_rows=lambda inputs, plan: SimpleNamespace(inputs=rows))
+    run = SimpleNamespace(_rows=lambda inputs, plan: SimpleNamespace(inputs=rows))  # ExGRPORun._rows (issue 52)
     seen = module.watch_replays(SimpleNamespace(exgrpo_run=run), k=2)
     run._rows(rows, plan)
     assert seen == {"replayed_groups": [1], "replayed_rows": 2, "rows_without_their_image": 2}

@@ -66,18 +66,32 @@ def test_cpu_path_commands_work(tmp_path, monkeypatch, capsys):
     assert re.search(r"^replay\s+on; 1 generation batches so far$", report, re.M), report
 
 
+def test_the_cpu_page_and_the_readme_install_alike():
+    """docs/cpu.md started from `make install` while the README installs into the user's own environment: the page
+    now offers both, with the README's own package line, and the README's torch line for a CPU is the installation
+    page's (the same short time-outs as make install's script; test_docs checks those against the script)."""
+    readme = (ROOT / "README.md").read_text()
+    install = readme[readme.index("## Install") : readme.index("## Quick start (GPU)")]
+    (torch_line,) = [line.strip() for line in install.splitlines() if "download.pytorch.org" in line]
+    assert f"`{torch_line}`" in (ROOT / "docs" / "installation.md").read_text()
+    assert 'pip install ".[demo]"' in install
+    section = CPU_PAGE[CPU_PAGE.index("## The whole path on a CPU") : CPU_PAGE.index("## Images on a CPU")]
+    assert 'pip install ".[demo]"' in section and "your own" in section and "make install" in section
+
+
 def test_cpu_path_without_the_build_fails_at_once(tmp_path, monkeypatch, capsys):
-    """Without the first command, training used to retry the Hub for `outputs/tiny-toy` for a minute."""
+    """Without the first command, training used to retry the Hub for `outputs/tiny-toy` for a minute; then it said so
+    once torch was imported (9 s at load 5); now before (exit 2, a usage error: cli/precheck.py)."""
     from exgrpo_trl import cli
 
     _, train, _ = cpu_path_commands()
     _copy_recipe(tmp_path)
     monkeypatch.chdir(tmp_path)
-    assert cli.main(shlex.split(train)[1:]) == 1
+    assert cli.main(shlex.split(train)[1:]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
         "exgrpo train: error: model_name_or_path ./outputs/tiny-toy is a local path that does not exist "
         f"({tmp_path / 'outputs' / 'tiny-toy'}); create it first (a recipe's header says how), or give a Hub id "
-        "(org/name). (--debug shows the traceback)"
+        "(org/name)."
     )
 
 

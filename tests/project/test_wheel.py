@@ -91,6 +91,25 @@ def test_math_reward_scores_a_correct_answer(fresh_env):
     assert _run(str(work / "venv" / "bin" / "python"), "-c", code, env=env).stdout == "[1.0]\n"
 
 
+def test_the_image_kit_runs_from_the_wheel(fresh_env):
+    """The CPU try-out with images (the trainer page's quick start) needs nothing outside the wheel: the tiny
+    Qwen2-VL and its processor are built, a question's image becomes its image tokens, the colour reward scores."""
+    work, _, env = fresh_env
+    code = (
+        "from exgrpo_trl.tasks.vision import build_tiny_vlm, colour_dataset, colour_reward\n"
+        "model, processor = build_tiny_vlm()\n"
+        "row = colour_dataset(4, shades=40)[0]\n"
+        "text = processor.apply_chat_template(row['prompt'], add_generation_prompt=True)\n"
+        "batch = processor(text=[text], images=[row['image']], return_tensors='pt')\n"
+        "print(type(model).__name__, tuple(batch['image_grid_thw'][0].tolist()), "
+        "colour_reward([f\"It is {row['answer']}.\"], answer=[row['answer']]))"
+    )
+    run = subprocess.run(
+        [str(work / "venv" / "bin" / "python"), "-c", code], capture_output=True, text=True, env=env, cwd=work
+    )  # from `work`, so that the repository's folder is not on the path: the wheel's package is imported
+    assert run.stdout == "Qwen2VLForConditionalGeneration (1, 2, 2) [1.0]\n", run.stdout + run.stderr[-3000:]
+
+
 def test_the_wheel_holds_the_package_and_not_the_lab(fresh_env):
     import zipfile
 
@@ -99,6 +118,7 @@ def test_the_wheel_holds_the_package_and_not_the_lab(fresh_env):
     top = {name.split("/")[0] for name in names}
     assert top == {"exgrpo_trl", wheel.name.split("-")[0] + "-0.1.0.dist-info"}, top
     assert "exgrpo_trl/tasks/toy.py" in names  # the CPU kit users try ExGRPO with
+    assert "exgrpo_trl/tasks/vision.py" in names  # and its image counterpart
     assert not [n for n in names if any(part in n for part in ("countdown", "study", "demo", "regimes"))], names
 
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
+import stat
+import sys
+import time
 
 from exgrpo_trl.tasks.toy import addition_reward
 
@@ -18,12 +22,30 @@ def broken_reward(completions, answer, **kwargs):
 
 
 def interrupting_reward(completions, answer, **kwargs):
-    """The toy reward, but on call EXGRPO_TEST_INTERRUPT_AT the process gets SIGINT, as from Ctrl-C in its terminal."""
+    """The toy reward, but on call EXGRPO_TEST_INTERRUPT_AT the process gets SIGINT, as from Ctrl-C in its terminal.
+    With EXGRPO_TEST_INTERRUPT_GROUP=1 the whole process group gets it, as a terminal sends it to every process of
+    the command line it runs (`exgrpo train ... | tee log`: tee dies of it), and the reward returns once its stdout
+    has no reader left, when it is a pipe: the next write to it is the one a dead `| tee` breaks."""
     global _calls
     _calls += 1
     if _calls == int(os.environ.get("EXGRPO_TEST_INTERRUPT_AT", "0")):
-        os.kill(os.getpid(), signal.SIGINT)
+        if os.environ.get("EXGRPO_TEST_INTERRUPT_GROUP") == "1":
+            os.killpg(os.getpgrp(), signal.SIGINT)
+            _wait_for_no_reader(sys.stdout.fileno())
+        else:
+            os.kill(os.getpid(), signal.SIGINT)
     return addition_reward(completions, answer, **kwargs)
+
+
+def _wait_for_no_reader(fd: int, timeout: float = 60.0) -> None:
+    """Until the pipe `fd` writes to has no reader (poll's POLLERR on a pipe's writing end), at most `timeout` s."""
+    if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+        return
+    poller = select.poll()
+    poller.register(fd, select.POLLERR)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not poller.poll(100):
+        pass
 
 
 def short_completion_reward(completion_ids, **kwargs):

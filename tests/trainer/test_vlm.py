@@ -1,4 +1,4 @@
-"""Image inputs under replay, on a tiny Qwen2-VL built offline (tests/support/tiny_vlm.py): question keys that hold
+"""Image inputs under replay, on a tiny Qwen2-VL built offline (exgrpo_trl/tasks/vision.py): question keys that hold
 the images, images in the saved state, entropy scoring with the question's images, replay_ratio=0 against
 GRPOTrainer, replayed rows carrying their question's image, and a resume with images in the buffer."""
 
@@ -17,8 +17,8 @@ from transformers import TrainerCallback
 from exgrpo_trl.buffer import ExperienceBuffer, Trajectory, image_digest, question_key, row_key
 from exgrpo_trl.checks import IMAGE_MULTI_TURN, IMAGE_VLLM
 from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, load_state, read_meta, save_state
+from exgrpo_trl.tasks.vision import build_tiny_vlm, colour_dataset, colour_image, colour_reward, vlm_prompt
 from tests.helpers import make_trainer
-from tests.support.tiny_vlm import build_tiny_vlm, colour_image, colour_reward, tiny_vlm_dataset, vlm_prompt
 
 K = 4
 
@@ -32,7 +32,7 @@ def vlm_trainer(tmp_path, cls=None, dataset=None, seed=0, **config):
         cls=cls,
         model=model,
         reward_funcs=colour_reward,
-        train_dataset=tiny_vlm_dataset(32, seed=1) if dataset is None else dataset,
+        train_dataset=colour_dataset(32, seed=1) if dataset is None else dataset,
         **{**settings, **config},
     )
 
@@ -308,14 +308,14 @@ def test_exgrpo_train_on_image_data(tmp_path):
     their questions, replay runs, and the checkpoint's buffer holds the images."""
     from exgrpo_trl import cli
     from exgrpo_trl.state import load_checkpoint_buffer
-    from tests.support.tiny_vlm import save_tiny_vlm
+    from exgrpo_trl.tasks.vision import save_tiny_vlm
 
     model_dir = save_tiny_vlm(tmp_path / "model")
-    tiny_vlm_dataset(24, seed=1).save_to_disk(str(tmp_path / "data"))
+    colour_dataset(24, seed=1).save_to_disk(str(tmp_path / "data"))
     out = tmp_path / "out"
     recipe = {
         "model_name_or_path": str(model_dir), "dataset_name": str(tmp_path / "data"), "dtype": "float32",
-        "reward_funcs": ["tests.support.tiny_vlm:colour_reward"], "output_dir": str(out), "max_steps": 4,
+        "reward_funcs": ["exgrpo_trl.tasks.vision:colour_reward"], "output_dir": str(out), "max_steps": 4,
         "per_device_train_batch_size": 16, "num_generations": 4, "max_completion_length": 12,
         "replay_start_pass_rate": 0.0, "save_strategy": "steps", "save_steps": 4, "use_cpu": True, "bf16": False,
         "report_to": "none", "logging_steps": 1, "loss_type": "dr_grpo", "scale_rewards": "none",

@@ -1,6 +1,12 @@
-"""A tiny vision-language model for the tests, built offline with random weights: Qwen2-VL shaped, trainable by
-TRL's `GRPOTrainer` on images (about 88k parameters; built in well under a second once transformers is imported).
+"""A tiny vision-language model and an image task for trying ExGRPO with images on a CPU: everything built locally,
+nothing downloaded. The model is Qwen2-VL shaped (about 88k parameters, random weights, built in well under a second
+once transformers is imported) and trainable by TRL's `GRPOTrainer` and `ExGRPOTrainer` on images; the task's
+answer is only in the image: every question reads "What colour is the image?" beside a solid-colour square.
 
+- `build_tiny_vlm`: ``(model, processor)``, a `Qwen2VLForConditionalGeneration` of 2 text layers (hidden 32) and a
+  1-layer vision tower (embed 32), float32, random weights from a seed, and its processor (`build_tiny_processor`).
+  At initialisation the image moves the next token's log-probabilities by about 1e-2: small, but far above float
+  noise, so two images can be told apart.
 - `build_tiny_processor`: a `Qwen2VLProcessor` (the images-only subclass `TinyQwen2VLProcessor`, see below) assembled
   from parts: the family's image processor (its PIL backend, `Qwen2VLImageProcessorPil`) with pixel limits so small
   that a 28x28 image is 2x2 patches of 14 pixels (one image token after the 2x2 merge) and a 56x56 one 4x4 patches
@@ -11,17 +17,15 @@ TRL's `GRPOTrainer` on images (about 88k parameters; built in well under a secon
   an image block renders as ``<|vision_start|><|image_pad|><|vision_end|>`` and the processor expands the pad to one
   token per merged patch, returning ``pixel_values`` (one row of 3*2*14*14 = 1176 values per patch),
   ``image_grid_thw`` and ``mm_token_type_ids``.
-- `build_tiny_vlm`: that processor and a `Qwen2VLForConditionalGeneration` of 2 text layers (hidden 32) and a
-  1-layer vision tower (embed 32), float32, random weights from a seed. At initialisation the image moves the next
-  token's log-probabilities by about 1e-2: small, but far above float noise, so a test can tell two images apart.
 - `save_tiny_vlm`: both written to a folder that `AutoProcessor` / `AutoModelForImageTextToText` load back (in a
   process that imported this module: see `TinyQwen2VLProcessor`).
-- `tiny_vlm_dataset`: solid-colour images whose colour is the answer; every row has the same prompt text
-  (``What colour is the image?``), so only the image tells the rows apart.
+- `colour_dataset`: solid-colour images whose colour is the answer; every row has the same prompt text
+  (`QUESTION`), so only the image tells the rows apart.
 - `colour_reward`: 1.0 when the completion contains the answer's colour word, else 0.0.
 
 The colour words are single tokens of the vocabulary, so an untrained model says one of them now and then (a
-quarter to a half of its completions) and a group of completions usually has mixed rewards.
+quarter to a half of its completions) and a group of completions usually has mixed rewards: replay has questions to
+store from the first batch. The trainer page's "Quick start on a CPU with images" trains it.
 """
 
 from __future__ import annotations
@@ -145,7 +149,7 @@ def tiny_vlm_config(tokenizer, text: dict | None = None, vision: dict | None = N
     """A `Qwen2VLConfig`: 2 text layers (hidden 32, 2 heads of 16, 1 KV head, M-RoPE sections 2+3+3 of the 8
     rotary pairs), a 1-layer vision tower (embed 32, 2 heads, 14-pixel patches, 2x2 merge into the text width) and
     the tokenizer's vocabulary and ids. `text` and `vision` replace fields of either (a larger shape for a GPU:
-    benchmarks/vlm_smoke.py); the vision tower's output width follows the text's hidden size."""
+    a GPU's benchmark); the vision tower's output width follows the text's hidden size."""
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in (
         ("image_token_id", IMAGE_PAD), ("video_token_id", VIDEO_PAD),
         ("vision_start_token_id", VISION_START), ("vision_end_token_id", VISION_END),
@@ -207,9 +211,11 @@ def save_tiny_vlm(
     return str(path)
 
 
-def colour_image(colour: str, size: int = 28) -> PILImage.Image:
-    """A `size` x `size` RGB PIL image of one solid colour of `COLOURS`."""
-    return PILImage.new("RGB", (size, size), COLOURS[colour])
+def colour_image(colour: str, size: int = 28, shade: tuple[int, int, int] = (0, 0, 0)) -> PILImage.Image:
+    """A `size` x `size` RGB PIL image of one solid colour of `COLOURS`, each channel moved inwards (0 up, 255 down)
+    by `shade`'s amount for it."""
+    rgb = tuple(c + d if c < 128 else c - d for c, d in zip(COLOURS[colour], shade, strict=True))
+    return PILImage.new("RGB", (size, size), rgb)
 
 
 def vlm_prompt(question: str = QUESTION) -> list[dict]:
@@ -218,13 +224,17 @@ def vlm_prompt(question: str = QUESTION) -> list[dict]:
     return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
 
 
-def tiny_vlm_dataset(n: int = 16, seed: int = 0, size: int = 28, colours=None) -> Dataset:
+def colour_dataset(n: int = 16, seed: int = 0, size: int = 28, colours=None, shades: int = 0) -> Dataset:
     """A `datasets.Dataset` of `n` rows: `prompt` (`vlm_prompt()`, the same for every row), `image` (a solid
     `size`-pixel square, the `Image` feature: PNG bytes in the table, a PIL image when read) and `answer` (its colour
-    word). Colours are drawn uniformly from `colours` (default: every one of `COLOURS`) by `random.Random(seed)`."""
+    word). Colours are drawn uniformly from `colours` (default: every one of `COLOURS`) by `random.Random(seed)`.
+    `shades` > 0 moves each channel of each image inwards by 0 to `shades` (drawn after the colours), so that the rows
+    are (nearly all) different questions, ExGRPO keying a question by its text and its image's pixels, with six
+    answers; with 0 the images of a colour are the same, six questions in all."""
     names = list(COLOURS if colours is None else colours)
     rng = random.Random(seed)
     answers = [rng.choice(names) for _ in range(n)]
+    offsets = [tuple(rng.randint(0, shades) for _ in range(3)) if shades else (0, 0, 0) for _ in answers]
     features = Features(
         {
             "prompt": [{"role": Value("string"), "content": [{"type": Value("string"), "text": Value("string")}]}],
@@ -233,7 +243,8 @@ def tiny_vlm_dataset(n: int = 16, seed: int = 0, size: int = 28, colours=None) -
         }
     )
     return Dataset.from_dict(
-        {"prompt": [vlm_prompt() for _ in answers], "image": [colour_image(a, size) for a in answers],
+        {"prompt": [vlm_prompt() for _ in answers],
+         "image": [colour_image(a, size, shade) for a, shade in zip(answers, offsets, strict=True)],
          "answer": answers},
         features=features,
     )  # fmt: skip
