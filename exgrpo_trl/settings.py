@@ -349,4 +349,3 @@ def missing_files(values: dict[str, Any]) -> str | None:
         if isinstance(path, str) and path and not os.path.exists(os.path.expanduser(path)):
             return f"{name} {path} does not exist: {hint}"
     return None
-
