@@ -631,6 +631,13 @@ def check_command(command: str, capsys) -> None:
         assert words[1] == "vllm-serve"
         model = words[words.index("--model") + 1]
         assert any(f"model_name_or_path: {model}" in p.read_text() for p in (ROOT / "recipes").glob("*.yaml")), model
+    elif program == "git":  # the registered study's frozen checkout: the plan's commit, which must exist here
+        assert words[1:3] == ["worktree", "add"] and len(words) == 5, words
+        runs = sorted((ROOT / "benchmarks" / "results" / "confirm").glob("*/*/seed*.json"))
+        commits = {json.loads(r.read_text())["provenance"]["commit"] for r in runs}
+        assert len(commits) == 1 and commits.pop().startswith(words[4]), (words, "not the runs' recorded commit")
+    elif program == "cd":
+        assert len(words) == 2, words
     elif program == "mkdocs":
         assert words[1] in ("serve", "build"), words  # the build itself: test_docs_build_strictly
     else:
