@@ -184,11 +184,12 @@ PLAIN = {
 
 def user_table(runs: list[dict], rows: list[dict]) -> str:
     """The registered answer for a user, one row a setting: what the data is like (measured), GRPO's final held-out
-    pass@1 (median over seeds), and ExGRPO and ExGRPO with the reuse limit against GRPO at equal generated rollouts
-    (mean [95% t-interval over seeds], the verdict with Holm's correction)."""
+    pass@1 (median over seeds), and ExGRPO and ExGRPO with the reuse limit against GRPO at equal generated rollouts /
+    at equal updates (mean [95% t-interval over seeds], the verdict with Holm's correction)."""
     found = {(c["setting"], c["arm"], c["base"], c["axis"]): c for c in rows}
-    lines = ["| your data is like | GRPO final held-out pass@1 | ExGRPO - GRPO | ExGRPO with the reuse limit - GRPO |",
-             "|---|---|---|---|"]  # fmt: skip
+    axes = "same rollouts / same updates"
+    lines = [f"| your data is like | GRPO final held-out pass@1 | ExGRPO - GRPO, {axes} | ExGRPO with the reuse limit "
+             f"- GRPO, {axes} |", "|---|---|---|---|"]  # fmt: skip
     for setting in SETTINGS:
         records = [r for r in runs if r["task"] == setting]
         grpo = [r for r in records if r["arm"] == "grpo"]
@@ -199,14 +200,19 @@ def user_table(runs: list[dict], rows: list[dict]) -> str:
         plain = PLAIN[setting].format(warm=f"{warm:.2f}", never="-" if never is None else f"{100 * never:.0f}%")
         cells = [plain, f"{statistics.median(final_mean(r) for r in grpo):.3f}"]
         for arm in ("exgrpo", "reuse_limit"):
-            c = found.get((setting, arm, "grpo", "final_rollouts"))
-            if c is None or not c["n"]:
+            both = [found.get((setting, arm, "grpo", axis)) for axis in ("final_rollouts", "final_updates")]
+            if any(c is None or not c["n"] for c in both):
                 cells.append("not run yet")
                 continue
-            ci = f" [{_f(c['ci95'][0])}, {_f(c['ci95'][1])}]" if c["ci95"] else ""
-            cells.append(f"{_f(c['mean'])}{ci}, {c['verdict']} ({c['n']} seed{'s' if c['n'] > 1 else ''})")
+            figures = [f"{_f(c['mean'])}{_interval(c)}, {c['verdict']}" for c in both]
+            n = both[0]["n"]
+            cells.append(f"{' / '.join(figures)} ({n} seed{'s' if n > 1 else ''})")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _interval(c: dict[str, Any]) -> str:
+    return f" [{_f(c['ci95'][0])}, {_f(c['ci95'][1])}]" if c["ci95"] else ""
 
 
 def finals(runs: list[dict]) -> dict[str, dict[str, dict[str, float]]]:
@@ -262,7 +268,7 @@ def analyse(results: str | Path) -> tuple[dict[str, Any], str]:
     lines = [
         "# The registered study: analysis",
         "",
-        "## For a user: final held-out pass@1 at equal generated rollouts, paired by seed",
+        "## For a user: final held-out pass@1, paired by seed, at equal generated rollouts / equal updates",
         "",
         user_table(runs, rows),
         "",

@@ -195,7 +195,9 @@ def test_analysis_by_hand(tmp_path):
     assert len(payload["missing"]) == 60 - 15 and "Runs in: 15 of 60" in text
     # the answer for a user: GRPO's median final 0.32; at equal rollouts ExGRPO's differences are -0.01 + 0.05 (g -
     # 0.2) = -0.005 ... -0.003 (mean -0.004, sd 0.00079, half-width 2.776 x 0.00035 = 0.0010), the limit's 0.015 ...
-    # 0.057 (mean 0.036, sd 0.0166, half-width 0.0206)
-    row = "| 0.320 | -0.004 [-0.005, -0.003], below (5 seeds) | +0.036 [+0.015, +0.057], above (5 seeds) |"
+    # 0.057 (mean 0.036, sd 0.0166, half-width 0.0206); at equal updates ExGRPO's are -0.010 on every seed (sd ~0) and
+    # the limit's 0.01 ... 0.05 (mean 0.030, sd 0.0158, half-width 2.776 x 0.0158 / sqrt(5) = 0.0196)
+    row = ("| 0.320 | -0.004 [-0.005, -0.003], below / -0.010 [-0.010, -0.010], below (5 seeds) | +0.036 [+0.015, "
+           "+0.057], above / +0.030 [+0.010, +0.050], above (5 seeds) |")  # fmt: skip
     assert row in text and "never solved" in text
     assert (tmp_path / "analysis.md").read_text() == text
