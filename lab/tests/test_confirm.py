@@ -110,6 +110,24 @@ def test_one_commit_per_registered_study(tmp_path):
         confirm.check_one_commit(results, "b" * 40)
 
 
+def test_the_committed_runs_and_the_plan_above_its_line_are_the_registered_commit():
+    """Every committed registered run records one commit; plan.md's text above its notes line is that commit's plan,
+    unchanged (later notes only below it). Needs the commit in this clone's history (not in a shallow clone)."""
+    repo = provenance.LAB_ROOT
+    root = repo / "benchmarks" / "results" / "confirm"
+    commits = {json.loads(p.read_text())["provenance"]["commit"] for p in root.glob("*/*/seed*.json")}
+    assert len(commits) == 1, commits
+    commit = commits.pop()
+    line = "Notes added after the runs began"
+    registered = subprocess.run(["git", "show", f"{commit}:benchmarks/results/confirm/plan.md"], cwd=repo,
+                                capture_output=True, text=True)  # fmt: skip
+    if registered.returncode != 0:
+        pytest.skip(f"commit {commit[:12]} is not in this clone's history")
+    now = (root / "plan.md").read_text()
+    assert now.split(line)[0] == registered.stdout.split(line)[0]
+    assert now.startswith(registered.stdout.rstrip("\n"))  # the notes are added at the end
+
+
 # ------------------------------------------------------------------------------------------------ provenance, verify
 def test_provenance_fields_and_verify_on_a_tiny_run(tmp_path, capsys):
     results, cache = tmp_path / "results", tmp_path / "cache"
