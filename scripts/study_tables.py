@@ -18,7 +18,16 @@
     paper-point    every arm at the paper-shaped point                           docs/study.md
     hard-point     every arm at the hard point                                   docs/study.md
 
-A table whose runs are not in yet (the hard point's, while its runs train) is copied as one line saying so.
+and, from the registered study's benchmarks/results/confirm/analysis.md (`python -m lab.study --confirm
+--report-only`):
+
+    confirm-user           its answer for a user, both axes, Holm verdicts             docs/study.md
+    confirm-primary        reuse_limit - grpo, the family of 8                        docs/study.md
+    confirm-secondary      exgrpo - grpo and reuse_limit - exgrpo, the family of 16   docs/study.md
+    confirm-concentration  exgrpo/replay/reuse per setting and arm                     docs/study.md
+
+A table whose runs are not in yet (the hard point's, while its runs train; the registered study's, until its
+analysis is written) is copied as one line saying so.
 
 Only the standard library is used.
 """
@@ -31,6 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "study" / "results.md"
+CONFIRM = ROOT / "benchmarks" / "results" / "confirm" / "analysis.md"
 PAPER_POINT = "countdown-paper-lr2.5e-5"  # lab.study.PAPER_POINT (tests check they agree)
 HARD_POINT = "countdown-hard"  # lab.study.HARD_POINT
 HEADINGS = {
@@ -46,9 +56,16 @@ HEADINGS = {
 NOISE = "Evaluation noise ("  # the line of results.md copied as "noise"
 OPTIONAL = ("hard-pairs", "hard-diagnostics", "hard-point")  # their runs may not be in yet
 NOT_YET = "_Not in yet: its runs are training._"
+CONFIRM_HEADINGS = {
+    "confirm-user": "## For a user:",
+    "confirm-primary": "## Primary:",
+    "confirm-secondary": "## Secondary:",
+    "confirm-concentration": "## Concentration of replay",
+}
+CONFIRM_NOT_YET = "_Not in yet: the registered runs are training; the analysis is written when all 60 are in._"
 PAGES = {
     "docs/study.md": ("sweep", "noise", "difficulty", "arm-pairs", "hard-pairs", "hard-diagnostics", "regimes",
-                      "paper-point", "hard-point"),
+                      "paper-point", "hard-point", *CONFIRM_HEADINGS),
     "README.md": ("user",),
 }  # fmt: skip
 # The README's table speaks a user's words: what each setting's data is like (the settings' definitions in
@@ -95,11 +112,11 @@ def user_table(tables: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
-def table_after(report: str, heading: str) -> str:
-    """The first markdown table after `heading` in results.md."""
+def table_after(report: str, heading: str, source: Path = RESULTS) -> str:
+    """The first markdown table after `heading` in `source` (results.md, or the registered study's analysis.md)."""
     start = report.find(heading)
     if start < 0:
-        raise SystemExit(f"study_tables: {RESULTS.name} has no section {heading!r} (run `python -m lab.study` first)")
+        raise SystemExit(f"study_tables: {source.name} has no section {heading!r} (run `python -m lab.study` first)")
     section = report[start:]
     return section[section.index("\n| ") + 1 :].split("\n\n")[0].rstrip("\n")
 
@@ -123,6 +140,9 @@ def main(argv: list[str]) -> int:
     }
     tables["noise"] = next(line for line in report.splitlines() if line.startswith(NOISE))
     tables["user"] = user_table(tables)
+    confirm = CONFIRM.read_text() if CONFIRM.is_file() else None
+    for name, heading in CONFIRM_HEADINGS.items():
+        tables[name] = table_after(confirm, heading, CONFIRM) if confirm else CONFIRM_NOT_YET
     stale = []
     for rel, names in PAGES.items():
         path = ROOT / rel
