@@ -113,26 +113,34 @@ def _options_table() -> dict | None:
     return json.loads(OPTIONS.read_text())
 
 
-def _values(argv: list[str], loaded: dict, options: dict[str, list[str]]) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for key, value in loaded.items():
-        kind, dest = options[f"--{key}"]
-        values[dest] = _typed(kind, value)
+def _given(argv: list[str]) -> list[tuple[str, list[str]]]:
+    """The command line's options with their words: ``--name=value`` -> (--name, [value]); ``--name a b`` -> (--name,
+    [a, b]), up to the next option; --config and --debug left out."""
+    given = []
     for i, word in enumerate(argv):
         if not word.startswith("--") or word in ("--config", "--debug"):
             continue
         name, has_value, inline = word.partition("=")
-        kind, dest = options[name]
-        if kind == "false":
-            values[dest] = False
-            continue
         words = [inline] if has_value else []
         if not has_value:
             for following in argv[i + 1 :]:
                 if following.startswith("--"):
                     break
                 words.append(following)
-        if kind == "list":
+        given.append((name, words))
+    return given
+
+
+def _values(argv: list[str], loaded: dict, options: dict[str, list[str]]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for key, value in loaded.items():
+        kind, dest = options[f"--{key}"]
+        values[dest] = _typed(kind, value)
+    for name, words in _given(argv):
+        kind, dest = options[name]
+        if kind == "false":
+            values[dest] = False
+        elif kind == "list":
             values[dest] = words
         elif not words:
             values[dest] = True if kind == "bool" else None  # `--use_peft` alone
@@ -160,17 +168,12 @@ def check(argv: list[str], before_run: bool = False) -> str | None:
             kind = options[f"--{key}"][0]
             if _bad_value(kind, value):
                 return f"{key} in {recipe}: {value!r} is not a valid {kind} value"
-    for i, word in enumerate(argv):
-        if not word.startswith("--") or word in ("--config", "--debug"):
-            continue
-        name, has_value, inline = word.partition("=")
+    for name, words in _given(argv):
         if name not in options:
             return f"unknown option {name}{suggestion(name, list(options))}"
         kind = options[name][0]
-        following = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else None
-        value = inline if has_value else following
-        if value is not None and _bad_value(kind, value):
-            return f"argument {name}: invalid {kind} value: {value!r}"
+        if words and _bad_value(kind, words[0]):
+            return f"argument {name}: invalid {kind} value: {words[0]!r}"
     values = _values(argv, loaded, options)
     mistake = value_problem(values, table["choices"])
     if mistake is None and before_run:

@@ -317,12 +317,8 @@ def _with_suggestion(name: str, known: list[str], where: str) -> str:
 def _check_local_paths(script_args: ScriptArguments, model_args: ModelConfig) -> None:
     """A local path that does not exist fails here, in one line (`exgrpo train` finds it before torch is imported;
     this is for `python -m exgrpo_trl.cli.train` and `accelerate launch`)."""
-    for what, name in (
-        ("model_name_or_path", model_args.model_name_or_path),
-        ("tokenizer_name_or_path", script_args.tokenizer_name_or_path),
-        ("dataset_name", script_args.dataset_name),
-        ("eval_dataset_name", script_args.eval_dataset_name),
-    ):
+    for what, _ in precheck.SOURCES:  # ModelConfig holds the model's name, ScriptArguments the others
+        name = getattr(model_args if what == "model_name_or_path" else script_args, what)
         problem = precheck.local_path_problem(what, name) if name else None
         if problem is not None:
             raise FileNotFoundError(problem)

@@ -114,13 +114,19 @@ def _stop(proc: subprocess.Popen) -> None:
             pass
 
 
-def _launched(tmp_path_factory, kind: str, *extra: str):
-    """A module's launch of the training script on 2 processes under `kind` ("ddp", or "zero3": skipped without
-    deepspeed), with the uneven-scoring and resume checks and `extra` flags."""
+def accelerate_config(kind: str) -> str:
+    """The accelerate config of 2 CPU processes under `kind`: "ddp" (the shipped one), or "zero3" (skipped without
+    deepspeed)."""
     if kind == "zero3" and not HAS_DEEPSPEED:
         pytest.skip("deepspeed is not installed (pip install deepspeed)")
+    return "recipes/accelerate/cpu_ddp.yaml" if kind == "ddp" else "zero3_cpu.yaml"
+
+
+def _launched(tmp_path_factory, kind: str, *extra: str):
+    """A module's launch of the training script on 2 processes under `kind` (`accelerate_config`), with the
+    uneven-scoring and resume checks and `extra` flags."""
+    config = accelerate_config(kind)
     out = tmp_path_factory.mktemp("_".join([kind, *(flag.lstrip("-") for flag in extra)]))
-    config = "recipes/accelerate/cpu_ddp.yaml" if kind == "ddp" else "zero3_cpu.yaml"  # DDP: the shipped config
     return out, launch(config, out, "--expect", kind, "--uneven", "--resume", *extra)
 
 

@@ -27,7 +27,7 @@ import pytest
 
 from exgrpo_trl.checkpoints import checkpoint_problems
 from exgrpo_trl.state import STATE_DIRNAME
-from tests.multiprocess.test_multiprocess import HAS_DEEPSPEED, LAUNCH_TIMEOUT_S, launch
+from tests.multiprocess.test_multiprocess import LAUNCH_TIMEOUT_S, accelerate_config, launch
 
 SCENARIOS = ("mid:10", "cut:10", "missing:10")
 COMPARED = ("global_step", "weights", "buffer", "retired", "switches", "sampler", "latest")
@@ -38,11 +38,9 @@ SKIPPED = {
 
 
 def _resumed(tmp_path_factory, kind: str):
-    if kind == "zero3" and not HAS_DEEPSPEED:
-        pytest.skip("deepspeed is not installed (pip install deepspeed)")
+    config = accelerate_config(kind)
     out = tmp_path_factory.mktemp(f"resume_ranks_{kind}")
     scenarios = [arg for s in SCENARIOS for arg in ("--scenario", s)]
-    config = "recipes/accelerate/cpu_ddp.yaml" if kind == "ddp" else "zero3_cpu.yaml"  # DDP: the shipped config
     return out, launch(config, out, "--expect", kind, *scenarios, script="resume_exact.py")
 
 
