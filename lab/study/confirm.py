@@ -241,7 +241,7 @@ def comparison_markdown(rows: list[dict]) -> str:
         head[-1:-1] = [f"p non-inferior by {MARGIN} (t / sign-flip)", "p non-inferior Holm (t)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in rows:
-        ci = f"[{_f(c['ci95'][0])}, {_f(c['ci95'][1])}]" if c["ci95"] else "(one seed)" if c["n"] else "(no runs yet)"
+        ci = _interval(c).strip() or ("(one seed)" if c["n"] else "(no runs yet)")
         sd = f" (sd {_f(c['sd'], sign=False)})" if c["sd"] is not None else ""
         cells = [c["setting"], f"{c['arm']} - {c['base']}", c["label"], f"{_f(c['mean'])}{sd} {ci}",
                  ", ".join(_f(v) for v in c["per_seed"].values()), _p(c["p_t"]), _p(c["p_sign_flip"]),
