@@ -21,6 +21,7 @@
 and, from the registered study's benchmarks/results/confirm/analysis.md (`python -m lab.study --confirm
 --report-only`):
 
+    confirm-answer         the registered answer in the plan's words (not a table)    docs/study.md
     confirm-user           its answer for a user, both axes, Holm verdicts             docs/study.md
     confirm-primary        reuse_limit - grpo, the family of 8                        docs/study.md
     confirm-secondary      exgrpo - grpo and reuse_limit - exgrpo, the family of 16   docs/study.md
@@ -56,6 +57,7 @@ HEADINGS = {
 NOISE = "Evaluation noise ("  # the line of results.md copied as "noise"
 OPTIONAL = ("hard-pairs", "hard-diagnostics", "hard-point")  # their runs may not be in yet
 NOT_YET = "_Not in yet: its runs are training._"
+CONFIRM_ANSWER = "## The registered answer"  # a list of sentences, copied as it stands
 CONFIRM_HEADINGS = {
     "confirm-user": "## For a user:",
     "confirm-primary": "## Primary:",
@@ -65,7 +67,7 @@ CONFIRM_HEADINGS = {
 CONFIRM_NOT_YET = "_Not in yet: the registered runs are training; the analysis is written when all 60 are in._"
 PAGES = {
     "docs/study.md": ("sweep", "noise", "difficulty", "arm-pairs", "hard-pairs", "hard-diagnostics", "regimes",
-                      "paper-point", "hard-point", *CONFIRM_HEADINGS),
+                      "paper-point", "hard-point", "confirm-answer", *CONFIRM_HEADINGS),
     "README.md": ("user",),
 }  # fmt: skip
 # The README's table speaks a user's words: what each setting's data is like (the settings' definitions in
@@ -121,6 +123,15 @@ def table_after(report: str, heading: str, source: Path = RESULTS) -> str:
     return section[section.index("\n| ") + 1 :].split("\n\n")[0].rstrip("\n")
 
 
+def section_after(report: str, heading: str) -> str:
+    """The text of analysis.md's section `heading`, up to the next "## " heading."""
+    start = report.find(heading + "\n")
+    if start < 0:
+        raise SystemExit(f"study_tables: {CONFIRM.name} has no section {heading!r} (run `python -m lab.study "
+                         "--confirm --report-only` first)")  # fmt: skip
+    return report[start + len(heading) :].split("\n## ")[0].strip("\n")
+
+
 def refresh(page: str, tables: dict[str, str], names: tuple[str, ...], where: str) -> str:
     for name in names:
         pattern = re.compile(rf"(<!-- study:{name} -->\n)(.*?)(<!-- /study:{name} -->)", re.S)
@@ -143,6 +154,7 @@ def main(argv: list[str]) -> int:
     confirm = CONFIRM.read_text() if CONFIRM.is_file() else None
     for name, heading in CONFIRM_HEADINGS.items():
         tables[name] = table_after(confirm, heading, CONFIRM) if confirm else CONFIRM_NOT_YET
+    tables["confirm-answer"] = section_after(confirm, CONFIRM_ANSWER) if confirm else CONFIRM_NOT_YET
     stale = []
     for rel, names in PAGES.items():
         path = ROOT / rel

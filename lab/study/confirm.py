@@ -254,6 +254,121 @@ def comparison_markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------------------ the answer
+AXIS_WORDS = {"final_rollouts": "equal generated rollouts", "final_updates": "equal updates"}
+EARLIER = "benchmarks/results/study"  # the earlier study's runs (seeds 0-4), read the same way for comparison
+EARLIER_SEEDS = (0, 1, 2, 3, 4)
+# plan.md, "What will be written for each outcome": the primary verdicts in words
+PRIMARY_WORDS = {
+    "above": "ended above GRPO",
+    "below": "ended below GRPO",
+    f"non-inferior (within {MARGIN})": f"was level with GRPO (not worse by {MARGIN} or more)",
+    "not resolved": f"was not told apart from GRPO, and a loss of {MARGIN} is not ruled out",
+}
+SECONDARY_WORDS = {"above": "above", "below": "below", "not resolved": "not told apart"}
+
+
+def earlier_comparisons(root: str | Path = EARLIER) -> list[dict[str, Any]]:
+    """The same comparisons over the earlier study's runs of these settings and arms, seeds 0-4 (their uncorrected
+    figures are what the earlier docs said; their Holm figures are not read)."""
+    runs = [r for r in load_runs(Path(root)) if r["task"] in SETTINGS and r["arm"] in ARMS and r["seed"] in
+            EARLIER_SEEDS]  # fmt: skip
+    return [c for c in comparisons(runs) if c["n"]] if runs else []
+
+
+def _figure(c: dict[str, Any]) -> str:
+    return f"{_f(c['mean'])}{_interval(c)}"
+
+
+def _direction(c: dict[str, Any]) -> int:
+    """+1 / -1 where the uncorrected 95% interval lies above / below 0, else 0."""
+    lo, hi = c["ci95"] or (None, None)
+    return 0 if lo is None or lo <= 0 <= hi else (1 if lo > 0 else -1)
+
+
+def _decided_by(c: dict[str, Any]) -> str:
+    """The Holm-adjusted p the verdict rests on: of a loss of MARGIN for "non-inferior", else of no difference."""
+    if c["verdict"].startswith("non-inferior"):
+        return f"Holm p of a loss of {MARGIN} or more {_p_words(c['p_noninferior_holm'])}"
+    return f"Holm p {_p_words(c['p_t_holm'])}"
+
+
+def _p_words(x: float | None) -> str:
+    return "< 0.001" if x is not None and x < 0.001 else _p(x)
+
+
+def _phrase(found: dict, setting: str, arm: str, base: str, words: dict[str, str]) -> str:
+    """One comparison on both axes in words: "<verdict> at both ... (fig) and ... (fig)", or one clause an axis."""
+    both = [(axis, found[(setting, arm, base, axis)]) for axis in AXIS_WORDS]
+    holm = [f"{_figure(c)}, {_decided_by(c)}" for _, c in both]
+    if both[0][1]["verdict"] == both[1][1]["verdict"]:
+        return f"{words[both[0][1]['verdict']]} at both {AXIS_WORDS['final_rollouts']} ({holm[0]}) and " \
+            f"{AXIS_WORDS['final_updates']} ({holm[1]})"  # fmt: skip
+    return "; ".join(f"{words[c['verdict']]} at {AXIS_WORDS[axis]} ({h})" for (axis, c), h in zip(both, holm))
+
+
+def answer(rows: list[dict[str, Any]], earlier: list[dict[str, Any]] | None = None) -> list[str]:
+    """The registered answer in the plan's words ("What will be written for each outcome"), from the verdicts of
+    `comparisons`: a bullet per setting (the reuse limit against GRPO, then ExGRPO against GRPO and the limit against
+    ExGRPO), the earlier claim at countdown-hard, what follows for `replay_cooldown`, and every comparison whose
+    direction (the uncorrected 95% interval above or below 0) differs from the earlier study's (`earlier`)."""
+    found = {(c["setting"], c["arm"], c["base"], c["axis"]): c for c in rows if c["family"] != "descriptive"}
+    out = []
+    for setting in SETTINGS:
+        words = _phrase(found, setting, "reuse_limit", "grpo", PRIMARY_WORDS)
+        verdicts = {axis: found[(setting, "reuse_limit", "grpo", axis)]["verdict"] for axis in AXIS_WORDS}
+        removes = [a for a, v in verdicts.items() if v.startswith("non-inferior")
+                   and found[(setting, "reuse_limit", "exgrpo", a)]["verdict"] == "above"]  # fmt: skip
+        if removes:
+            where = " and ".join(AXIS_WORDS[a] for a in removes)
+            words += f"; at {where} it removes ExGRPO's loss there rather than adding a gain over GRPO"
+        if "below" in verdicts.values():
+            words += "; the reuse limit is not recommended for settings like this one"
+        out.append(
+            f"**{setting}**: with the reuse limit, ExGRPO {words}. ExGRPO (the paper's settings) against GRPO: "
+            f"{_phrase(found, setting, 'exgrpo', 'grpo', SECONDARY_WORDS)}. The reuse limit against ExGRPO: "
+            f"{_phrase(found, setting, 'reuse_limit', 'exgrpo', SECONDARY_WORDS)}."
+        )
+    hard = found[("countdown-hard", "reuse_limit", "grpo", "final_rollouts")]
+    before = {(c["setting"], c["arm"], c["base"], c["axis"]): c for c in earlier or [] if c["family"] != "descriptive"}
+    old = before.get(("countdown-hard", "reuse_limit", "grpo", "final_rollouts"))
+    claim = f"the earlier result ({_figure(old)}, seeds 0-4, uncorrected)" if old else "the earlier result"
+    if hard["verdict"] == "above":
+        out.append(f"**The earlier claim** at countdown-hard, equal generated rollouts: {claim} held on fresh seeds: "
+                   f"{_figure(hard)}, above GRPO ({_decided_by(hard)}).")  # fmt: skip
+    else:
+        out.append(f"**The earlier claim** at countdown-hard, equal generated rollouts: {claim} did not hold on fresh "
+                   f"seeds: ExGRPO with the limit {PRIMARY_WORDS[hard['verdict']]} ({_figure(hard)}, "
+                   f"{_decided_by(hard)}); the docs no longer say that the reuse limit ends above GRPO "
+                   "there.")  # fmt: skip
+    primary = {(s, a): found[(s, "reuse_limit", "grpo", a)]["verdict"] for s in SETTINGS for a in AXIS_WORDS}
+    below_rollouts = [s for s in SETTINGS if primary[(s, "final_rollouts")] == "below"]
+    below = [s for s in SETTINGS if "below" in (primary[(s, a)] for a in AXIS_WORDS)]
+    above = [f"{s} at {AXIS_WORDS[a]}" for (s, a), v in primary.items() if v == "above"]
+    if below_rollouts:
+        advice = (f"with the reuse limit below GRPO at equal generated rollouts in {', '.join(below_rollouts)}, "
+                  "`replay_cooldown` is an option to try with its measured costs, not a recommendation")  # fmt: skip
+    elif below:
+        advice = (f"the reuse limit is below GRPO at equal updates in {', '.join(below)} and is not recommended for "
+                  "settings like those")  # fmt: skip
+    else:
+        advice = "the reuse limit was below GRPO in no setting on either axis"
+    held = f"; it ended above GRPO only in {'; '.join(above)}" if above else "; it ended above GRPO in no setting"
+    out.append(f"**`replay_cooldown`**: {advice}{held}.")
+    changed = []
+    for key, c in found.items():
+        prior = before.get(key)
+        if prior and _direction(prior) != _direction(c):
+            setting, arm, base, axis = key
+            changed.append(f"{arm} - {base} at {setting}, {AXIS_WORDS[axis]}: earlier {_figure(prior)}, now "
+                           f"{_figure(c)} ({c['verdict']} with Holm's correction)")  # fmt: skip
+    out.append(
+        "**Against the earlier study** (seeds 0-4, same settings; a direction is an uncorrected 95% interval "
+        "above or below 0): " + ("; ".join(changed) + "." if changed else "no comparison changed direction.")
+    )
+    return out
+
+
 def analyse(results: str | Path) -> tuple[dict[str, Any], str]:
     """The registered analysis of the runs saved in `results`; writes analysis.json and analysis.md there."""
     results = Path(results)
@@ -263,8 +378,10 @@ def analyse(results: str | Path) -> tuple[dict[str, Any], str]:
     done = {(r["task"], r["arm"], r["seed"]) for r in runs}
     missing = [f"{t}/{a}/seed{s}" for t, a, s in registered_order() if (t, a, s) not in done]
     commits = saved_commits(results)
+    earlier = earlier_comparisons(results.parent / "study") if (results.parent / "study").is_dir() else []
+    bullets = answer(rows, earlier) if not missing else []
     payload = {"comparisons": rows, "concentration": conc, "finals": finals(runs), "missing": missing,
-               "commits": {c: len(v) for c, v in commits.items()}}  # fmt: skip
+               "commits": {c: len(v) for c, v in commits.items()}, "answer": bullets}  # fmt: skip
     lines = [
         "# The registered study: analysis",
         "",
@@ -281,6 +398,10 @@ def analyse(results: str | Path) -> tuple[dict[str, Any], str]:
         "t-test, two-sided; p (sign-flip): the exact sign-flip test, two-sided (with 5 seeds it cannot go below "
         f"0.0625); Holm: within the family. Verdicts as registered: above / below (Holm p < {ALPHA}), non-inferior "
         f"(primary only: Holm p of the one-sided test of a loss of {MARGIN} or more < {ALPHA}), else not resolved.",
+        "",
+        "## The registered answer",
+        "",
+        "\n".join(f"- {b}" for b in bullets) or f"Written when all {len(registered_order())} runs are in.",
         "",
         "## Primary: reuse_limit - grpo (a family of 8, Holm)",
         "",

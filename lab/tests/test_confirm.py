@@ -3,7 +3,10 @@ registered order and the analysis's tests and correction (p-values derived by ha
 
 import json
 import math
+import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -219,3 +222,126 @@ def test_analysis_by_hand(tmp_path):
            "+0.057], above / +0.030 [+0.010, +0.050], above (5 seeds) |")  # fmt: skip
     assert row in text and "never solved" in text
     assert (tmp_path / "analysis.md").read_text() == text
+
+
+def test_the_registered_answer_in_the_plans_words():
+    """`confirm.answer` writes each outcome as plan.md's "What will be written for each outcome" says. Every setting
+    has GRPO at 0.30 ... 0.34 (seeds 20-24); the replaying arms generate 950 rollouts to GRPO's 1000, so at equal
+    rollouts GRPO is read at 0.2 + 0.95 (g - 0.2): a replaying arm's difference gains 0.05 (g - 0.2) = +0.005 ...
+    +0.007.
+    - addition: the limit -0.05 and ExGRPO -0.10 on every seed: below GRPO on both axes, the limit above ExGRPO
+      (+0.05);
+    - countdown-weak: the limit +0.001, -0.001, 0, +0.002, -0.002 (sd 0.0016): level at equal updates (t of the loss
+      of 0.01 = 0.01 / (0.0016 / sqrt 5) = 14), above at equal rollouts (+0.006 a seed, t about 8); ExGRPO -0.03 a
+      seed, so the limit is above ExGRPO: "removes ExGRPO's loss" at equal updates only;
+    - countdown-paper: the limit -0.03, +0.03, -0.02, +0.02, 0 and ExGRPO the opposite signs: nothing resolved;
+    - countdown-hard: the limit +0.02 +- 0.002 (above on both axes), ExGRPO -0.02 (below)."""
+    grpo = [0.30, 0.31, 0.32, 0.33, 0.34]
+    small = [0.001, -0.001, 0.0, 0.002, -0.002]
+    spread = [-0.03, 0.03, -0.02, 0.02, 0.0]
+
+    def shifted(by):
+        return [round(g + d, 6) for g, d in zip(grpo, by)]
+
+    runs = [
+        *_runs("addition", {"grpo": grpo, "reuse_limit": shifted([-0.05] * 5), "exgrpo": shifted([-0.10] * 5)}),
+        *_runs("countdown-weak", {"grpo": grpo, "reuse_limit": shifted(small), "exgrpo": shifted([-0.03] * 5)}),
+        *_runs(
+            "countdown-paper-lr2.5e-5",
+            {"grpo": grpo, "reuse_limit": shifted(spread), "exgrpo": shifted([-d for d in spread])},
+        ),  # fmt: skip
+        *_runs(
+            "countdown-hard",
+            {"grpo": grpo, "reuse_limit": shifted([0.02 + d for d in small]), "exgrpo": shifted([-0.02] * 5)},
+        ),  # fmt: skip
+    ]
+    rows = confirm.comparisons(runs)
+    verdict = {(c["setting"], c["arm"], c["base"], c["axis"]): c.get("verdict") for c in rows}
+    level = "non-inferior (within 0.01)"
+    primary = [verdict[(s, "reuse_limit", "grpo", a)] for s in confirm.SETTINGS for a in confirm.AXIS_WORDS]
+    assert primary == ["below", "below", "above", level, "not resolved", "not resolved", "above", "above"]
+    # the earlier study: ExGRPO above GRPO at addition (+0.05 a seed +- 0.01); nothing else of it was run
+    earlier = [c for c in confirm.comparisons(_runs("addition", {"grpo": grpo, "exgrpo": shifted(
+        [0.05 + 5 * d for d in small])})) if c["n"]]  # fmt: skip
+    addition, weak, paper, hard, claim, advice, against = confirm.answer(rows, earlier)
+
+    assert addition.startswith("**addition**: with the reuse limit, ExGRPO ended below GRPO at both equal generated "
+                               "rollouts (-0.044 [")  # -0.05 + 0.005 ... 0.007: mean -0.044 # fmt: skip
+    assert "equal updates (-0.050 [-0.050, -0.050], Holm p " in addition
+    assert "; the reuse limit is not recommended for settings like this one." in addition
+    assert "ExGRPO (the paper's settings) against GRPO: below at both" in addition
+    assert "The reuse limit against ExGRPO: above at both equal generated rollouts (+0.050 [" in addition
+    assert weak.startswith("**countdown-weak**: with the reuse limit, ExGRPO ended above GRPO at equal generated "
+                           "rollouts (+0.006 [")  # fmt: skip
+    # mean 0, half-width 2.776 x 0.00158 / sqrt 5 = 0.0020
+    assert ("; was level with GRPO (not worse by 0.01 or more) at equal updates (+0.000 [-0.002, +0.002], Holm p of a "
+            "loss of 0.01 or more < 0.001)" in weak)  # fmt: skip
+    assert "; at equal updates it removes ExGRPO's loss there rather than adding a gain over GRPO." in weak
+    assert "not recommended" not in weak
+    assert ("was not told apart from GRPO, and a loss of 0.01 is not ruled out at both equal generated rollouts "
+            in paper)  # fmt: skip
+    assert "ExGRPO (the paper's settings) against GRPO: not told apart at both" in paper
+    assert hard.startswith("**countdown-hard**: with the reuse limit, ExGRPO ended above GRPO at both")
+    assert claim.startswith("**The earlier claim** at countdown-hard, equal generated rollouts: the earlier result "
+                            "held on fresh seeds: +0.026 [")  # +0.02 + 0.006 # fmt: skip
+    assert advice == ("**`replay_cooldown`**: with the reuse limit below GRPO at equal generated rollouts in "
+                      "addition, `replay_cooldown` is an option to try with its measured costs, not a "
+                      "recommendation; it ended above GRPO only in countdown-weak at equal generated rollouts; "
+                      "countdown-hard at equal generated rollouts; countdown-hard at equal updates.")  # fmt: skip
+    # the earlier study's addition interval lay above 0 on both axes, this one's below: two changes of direction
+    assert against.count("exgrpo - grpo at addition") == 2 and "earlier +0.050 [" in against
+    assert "now -0.100 [-0.100, -0.100] (below with Holm's correction)" in against
+
+    # the same study with the limit below GRPO only at equal updates somewhere, and not above at the hard point
+    hard_runs = _runs("countdown-hard", {"grpo": grpo, "reuse_limit": shifted([-0.0065 + d / 10 for d in small]),
+                                         "exgrpo": shifted([-0.02] * 5)})  # fmt: skip
+    rows = confirm.comparisons([r for r in runs if r["task"] != "countdown-hard"] + hard_runs)
+    # equal updates -0.0065 +- 0.0002 (below); equal rollouts -0.0065 + 0.005 ... 0.007 = -0.0015 ... +0.0005: sd
+    # 0.0008, mean -0.0005, not resolved superiority; non-inferior
+    found = {(c["setting"], c["arm"], c["base"], c["axis"]): c for c in rows}
+    assert found[("countdown-hard", "reuse_limit", "grpo", "final_updates")]["verdict"] == "below"
+    assert found[("countdown-hard", "reuse_limit", "grpo", "final_rollouts")]["verdict"] == level
+    claim = confirm.answer(rows)[4]
+    assert (
+        "did not hold on fresh seeds: ExGRPO with the limit was level with GRPO (not worse by 0.01 or more) (-0.001 ["
+        in claim
+        and "], Holm p of a loss of 0.01 or more " in claim
+    )
+    assert claim.endswith("the docs no longer say that the reuse limit ends above GRPO there.")
+
+
+def test_study_tables_copies_the_registered_answer_and_tables(tmp_path):
+    """scripts/study_tables.py copies analysis.md's answer (a list) and its four tables into the study page's markers,
+    in a copy of the repository's layout; with no analysis each marker says "not in yet"."""
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(root / "scripts" / "study_tables.py", tmp_path / "scripts")
+    (tmp_path / "docs").mkdir()
+    shutil.copy(root / "docs" / "study.md", tmp_path / "docs")
+    shutil.copy(root / "README.md", tmp_path)
+    shutil.copytree(root / "benchmarks" / "results" / "study", tmp_path / "benchmarks" / "results" / "study",
+                    ignore=shutil.ignore_patterns("*.json", "*.png"), dirs_exist_ok=True)  # fmt: skip
+    tables = [sys.executable, str(tmp_path / "scripts" / "study_tables.py")]
+    assert subprocess.run([*tables, "--check"], capture_output=True).returncode == 0  # the committed page, no analysis
+    results = tmp_path / "benchmarks" / "results" / "confirm"
+    grpo = [0.30, 0.31, 0.32, 0.33, 0.34]
+    for setting in confirm.SETTINGS:  # every setting: the limit -0.05, ExGRPO -0.10 on every seed (all "below")
+        finals = {"grpo": grpo, "reuse_limit": [g - 0.05 for g in grpo], "exgrpo": [g - 0.10 for g in grpo]}
+        for r in _runs(setting, finals):
+            path = results / r["task"] / r["arm"] / f"seed{r['seed']}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(r))
+    payload, text = confirm.analyse(results)
+    assert not payload["missing"] and len(payload["answer"]) == 7
+    check = subprocess.run([*tables, "--check"], capture_output=True, text=True)
+    assert check.returncode == 1 and "docs/study.md" in check.stdout and "README.md" not in check.stdout
+    assert subprocess.run(tables, capture_output=True).returncode == 0
+    page = (tmp_path / "docs" / "study.md").read_text()
+    answer = page[page.index("<!-- study:confirm-answer -->") : page.index("<!-- /study:confirm-answer -->")]
+    assert answer.count("\n- **") == 7 and "- **addition**: with the reuse limit, ExGRPO ended below GRPO" in answer
+    assert "not in yet" not in answer.lower()
+    for heading in ("## For a user:", "## Primary:", "## Secondary:", "## Concentration of replay"):
+        section = text[text.index(heading) :]
+        for row in section[section.index("\n| ") + 1 :].split("\n\n")[0].splitlines():
+            assert row in page, (heading, row)
+    assert subprocess.run([*tables, "--check"], capture_output=True).returncode == 0
