@@ -9,7 +9,8 @@
     sweep          the step-size sweep (ExGRPO minus GRPO, paired by seed)       docs/study.md
     difficulty     the difficulty axis at the paper's step                       docs/study.md
     user           for a user: one row a setting, in plain words, GRPO's final and   README.md
-                   ExGRPO's (and the reuse limit's, where run) differences on both axes
+                   ExGRPO's (and the reuse limit's, where run) differences on both axes;
+                   the registered study's confirm-user table instead, once all its runs are in
     arm-pairs      the arms paired by seed at the paper-shaped point             docs/study.md
     hard-pairs     the same at the hard point                                    docs/study.md
     hard-diagnostics  what the hard point's generation batches were made of      docs/study.md
@@ -155,6 +156,8 @@ def main(argv: list[str]) -> int:
     for name, heading in CONFIRM_HEADINGS.items():
         tables[name] = table_after(confirm, heading, CONFIRM) if confirm else CONFIRM_NOT_YET
     tables["confirm-answer"] = section_after(confirm, CONFIRM_ANSWER) if confirm else CONFIRM_NOT_YET
+    if confirm and not tables["confirm-answer"].startswith("Written when"):  # all the registered runs are in
+        tables["user"] = tables["confirm-user"]  # the README gives the registered answer, not the exploratory one
     stale = []
     for rel, names in PAGES.items():
         path = ROOT / rel

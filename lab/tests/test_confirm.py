@@ -312,7 +312,8 @@ def test_the_registered_answer_in_the_plans_words():
 
 def test_study_tables_copies_the_registered_answer_and_tables(tmp_path):
     """scripts/study_tables.py copies analysis.md's answer (a list) and its four tables into the study page's markers,
-    in a copy of the repository's layout; with no analysis each marker says "not in yet"."""
+    and its table for a user into the README's, in a copy of the repository's layout; with no analysis each marker
+    says "not in yet" and the README keeps the exploratory table."""
     root = Path(__file__).resolve().parents[2]
     (tmp_path / "scripts").mkdir()
     shutil.copy(root / "scripts" / "study_tables.py", tmp_path / "scripts")
@@ -334,7 +335,7 @@ def test_study_tables_copies_the_registered_answer_and_tables(tmp_path):
     payload, text = confirm.analyse(results)
     assert not payload["missing"] and len(payload["answer"]) == 7
     check = subprocess.run([*tables, "--check"], capture_output=True, text=True)
-    assert check.returncode == 1 and "docs/study.md" in check.stdout and "README.md" not in check.stdout
+    assert check.returncode == 1 and "docs/study.md" in check.stdout and "README.md" in check.stdout
     assert subprocess.run(tables, capture_output=True).returncode == 0
     page = (tmp_path / "docs" / "study.md").read_text()
     answer = page[page.index("<!-- study:confirm-answer -->") : page.index("<!-- /study:confirm-answer -->")]
@@ -345,3 +346,7 @@ def test_study_tables_copies_the_registered_answer_and_tables(tmp_path):
         for row in section[section.index("\n| ") + 1 :].split("\n\n")[0].splitlines():
             assert row in page, (heading, row)
     assert subprocess.run([*tables, "--check"], capture_output=True).returncode == 0
+    # the README's table for a user is now the registered one
+    readme = (tmp_path / "README.md").read_text()
+    user = text[text.index("## For a user:") :]
+    assert user[user.index("\n| ") + 1 :].split("\n\n")[0] in readme
