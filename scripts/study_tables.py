@@ -27,6 +27,7 @@ and, from the registered study's benchmarks/results/confirm/analysis.md (`python
     confirm-primary        reuse_limit - grpo, the family of 8                        docs/study.md
     confirm-secondary      exgrpo - grpo and reuse_limit - exgrpo, the family of 16   docs/study.md
     confirm-concentration  exgrpo/replay/reuse per setting and arm                     docs/study.md
+    confirm-reuse          what reuse can tell a user, read by the analysis's rule (one line)  docs/study.md
 
 A table whose runs are not in yet (the hard point's, while its runs train; the registered study's, until its
 analysis is written) is copied as one line saying so.
@@ -59,6 +60,7 @@ NOISE = "Evaluation noise ("  # the line of results.md copied as "noise"
 OPTIONAL = ("hard-pairs", "hard-diagnostics", "hard-point")  # their runs may not be in yet
 NOT_YET = "_Not in yet: its runs are training._"
 CONFIRM_ANSWER = "## The registered answer"  # a list of sentences, copied as it stands
+CONFIRM_REUSE = "ExGRPO's `exgrpo/replay/reuse`, median"  # the line of analysis.md copied as "confirm-reuse"
 CONFIRM_HEADINGS = {
     "confirm-user": "## For a user:",
     "confirm-primary": "## Primary:",
@@ -68,7 +70,7 @@ CONFIRM_HEADINGS = {
 CONFIRM_NOT_YET = "_Not in yet: the registered runs are training; the analysis is written when all 60 are in._"
 PAGES = {
     "docs/study.md": ("sweep", "noise", "difficulty", "arm-pairs", "hard-pairs", "hard-diagnostics", "regimes",
-                      "paper-point", "hard-point", "confirm-answer", *CONFIRM_HEADINGS),
+                      "paper-point", "hard-point", "confirm-answer", *CONFIRM_HEADINGS, "confirm-reuse"),
     "README.md": ("user",),
 }  # fmt: skip
 # The README's table speaks a user's words: what each setting's data is like (the settings' definitions in
@@ -156,6 +158,8 @@ def main(argv: list[str]) -> int:
     for name, heading in CONFIRM_HEADINGS.items():
         tables[name] = table_after(confirm, heading, CONFIRM) if confirm else CONFIRM_NOT_YET
     tables["confirm-answer"] = section_after(confirm, CONFIRM_ANSWER) if confirm else CONFIRM_NOT_YET
+    reuse = [line for line in (confirm or "").splitlines() if line.startswith(CONFIRM_REUSE)]
+    tables["confirm-reuse"] = reuse[0] if reuse else CONFIRM_NOT_YET
     if confirm and not tables["confirm-answer"].startswith("Written when"):  # all the registered runs are in
         tables["user"] = tables["confirm-user"]  # the README gives the registered answer, not the exploratory one
     stale = []

@@ -369,6 +369,39 @@ def answer(rows: list[dict[str, Any]], earlier: list[dict[str, Any]] | None = No
     return out
 
 
+def reuse_reading(conc: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
+    """What `exgrpo/replay/reuse` can tell a user, read by a rule fixed before the last runs (exploratory, not a
+    registered test): per setting, ExGRPO's reuse (median over seeds of its mean over the run) beside whether ExGRPO
+    ended below GRPO (the secondary verdict, Holm, on either axis). A threshold is given only where the settings
+    separate: every setting where ExGRPO lost above every setting where it did not; it is then the range between them.
+    """
+    reuse = {c["setting"]: c["reuse_mean"] for c in conc if c["arm"] == "exgrpo" and c["reuse_mean"] is not None}
+    limited = {c["setting"]: c["reuse_mean"] for c in conc if c["arm"] == "reuse_limit" and c["reuse_mean"]}
+    lost = {c["setting"] for c in rows if (c["arm"], c["base"]) == ("exgrpo", "grpo") and c.get("verdict") == "below"}
+    figures = "; ".join(f"{s} {reuse[s]:.2f} ({'below GRPO' if s in lost else 'not below'})" for s in reuse)
+    if limited:
+        figures += "; with `replay_cooldown: 9`: " + ", ".join(f"{s} {v:.2f}" for s, v in limited.items())
+    if not reuse:
+        return "ExGRPO's `exgrpo/replay/reuse`: no ExGRPO run has logged it."
+    lo = [reuse[s] for s in reuse if s in lost]
+    hi = [reuse[s] for s in reuse if s not in lost]
+    if not lo:
+        verdict = "ExGRPO was below GRPO in no setting, so no value of it marks a loss"
+    elif not hi:
+        verdict = "ExGRPO was below GRPO in every setting, so it does not tell the settings apart"
+    elif min(lo) > max(hi):
+        verdict = (f"ExGRPO was below GRPO where its reuse averaged {min(lo):.2f} or more and not where it averaged "
+                   f"{max(hi):.2f} or less, so a threshold lies between the two ({len(reuse)} settings, 5 seeds "
+                   "each; exploratory)")  # fmt: skip
+    else:
+        verdict = (f"it does not separate the settings where ExGRPO was below GRPO (reuse {min(lo):.2f} to "
+                   f"{max(lo):.2f}) from the others ({min(hi):.2f} to {max(hi):.2f}): no threshold is read from "
+                   "these runs")  # fmt: skip
+    return (
+        f"ExGRPO's `exgrpo/replay/reuse`, median over seeds of its mean over the run: {figures}. Reading: {verdict}."
+    )
+
+
 def analyse(results: str | Path) -> tuple[dict[str, Any], str]:
     """The registered analysis of the runs saved in `results`; writes analysis.json and analysis.md there."""
     results = Path(results)
@@ -428,6 +461,9 @@ def analyse(results: str | Path) -> tuple[dict[str, Any], str]:
             f"| {c['setting']} | {c['arm']} | {c['seeds']} | {_f(c['reuse_mean'], 2, False)} | "
             f"{_f(c['reuse_end'], 2, False)} | {_f(c['repeat_share_mean'], 3, False)} | {seeds} |"
         )
+    if not missing:
+        payload["reuse_reading"] = reuse_reading(conc, rows)
+        lines += ["", payload["reuse_reading"]]
     text = "\n".join(lines) + "\n"
     (results / "analysis.json").write_text(json.dumps(payload, indent=1) + "\n")
     (results / "analysis.md").write_text(text)

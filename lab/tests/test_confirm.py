@@ -328,7 +328,8 @@ def test_study_tables_copies_the_registered_answer_and_tables(tmp_path):
     grpo = [0.30, 0.31, 0.32, 0.33, 0.34]
     for setting in confirm.SETTINGS:  # every setting: the limit -0.05, ExGRPO -0.10 on every seed (all "below")
         finals = {"grpo": grpo, "reuse_limit": [g - 0.05 for g in grpo], "exgrpo": [g - 0.10 for g in grpo]}
-        for r in _runs(setting, finals):
+        batches = {"exgrpo": [{"reuse": 4.0, "repeat_share": 0.5}], "reuse_limit": [{"reuse": 2.0}]}
+        for r in _runs(setting, finals, batches):
             path = results / r["task"] / r["arm"] / f"seed{r['seed']}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(r))
@@ -345,8 +346,35 @@ def test_study_tables_copies_the_registered_answer_and_tables(tmp_path):
         section = text[text.index(heading) :]
         for row in section[section.index("\n| ") + 1 :].split("\n\n")[0].splitlines():
             assert row in page, (heading, row)
+    reading = next(line for line in text.splitlines() if line.startswith("ExGRPO's `exgrpo/replay/reuse`, median"))
+    assert reading in page and "ExGRPO was below GRPO in every setting" in reading
     assert subprocess.run([*tables, "--check"], capture_output=True).returncode == 0
     # the README's table for a user is now the registered one
     readme = (tmp_path / "README.md").read_text()
     user = text[text.index("## For a user:") :]
     assert user[user.index("\n| ") + 1 :].split("\n\n")[0] in readme
+
+
+def test_reuse_reading_gives_a_threshold_only_where_the_settings_separate():
+    """ExGRPO's reuse (median over seeds) 6.0 at addition, 3.5 at countdown-weak, 2.0 at the paper's shape and 4.5 at
+    the hard setting. Lost at addition and hard: 4.5 > 3.5, a threshold between 3.50 and 4.50; lost at addition and
+    countdown-weak: the lost settings span 3.5-6.0 and the others 2.0-4.5, which overlap: no threshold."""
+    reuse = dict(zip(confirm.SETTINGS, (6.0, 3.5, 2.0, 4.5)))
+    conc = [{"setting": s, "arm": "exgrpo", "reuse_mean": v} for s, v in reuse.items()]
+    conc.append({"setting": "addition", "arm": "reuse_limit", "reuse_mean": 2.5})
+
+    def rows(lost):
+        return [{"setting": s, "arm": "exgrpo", "base": "grpo", "axis": a,
+                 "verdict": "below" if (s, a) in lost else "not resolved"}
+                for s in confirm.SETTINGS for a in ("final_rollouts", "final_updates")]  # fmt: skip
+
+    text = confirm.reuse_reading(conc, rows({("addition", "final_updates"), ("countdown-hard", "final_rollouts")}))
+    assert text.startswith("ExGRPO's `exgrpo/replay/reuse`, median over seeds of its mean over the run: addition 6.00 "
+                           "(below GRPO); countdown-weak 3.50 (not below); countdown-paper-lr2.5e-5 2.00 (not below); "
+                           "countdown-hard 4.50 (below GRPO); with `replay_cooldown: 9`: addition 2.50.")  # fmt: skip
+    assert "below GRPO where its reuse averaged 4.50 or more and not where it averaged 3.50 or less" in text
+    text = confirm.reuse_reading(conc, rows({("addition", "final_updates"), ("countdown-weak", "final_updates")}))
+    assert "does not separate the settings where ExGRPO was below GRPO (reuse 3.50 to 6.00) from the others (2.00 " \
+        "to 4.50): no threshold" in text  # fmt: skip
+    assert "in no setting, so no value of it marks a loss" in confirm.reuse_reading(conc, rows(set()))
+    assert confirm.reuse_reading([], rows(set())) == "ExGRPO's `exgrpo/replay/reuse`: no ExGRPO run has logged it."
