@@ -22,8 +22,11 @@ from .run import _r, _rows_by_key, final_model_path
 from .tasks import ARMS, Task
 
 
-def control_rows(results: Path, cache_dir: str, tasks: dict[str, Task], base: str = "grpo") -> list[dict]:
-    """One row per saved run with a control record whose seed's `base` final model is in the cache."""
+def control_rows(
+    results: Path, cache_dir: str, tasks: dict[str, Task], base: str = "grpo", done: dict | None = None
+) -> list[dict]:
+    """One row per saved run with a control record whose seed's `base` final model is in the cache; a run whose row
+    is in `done` (keyed by task, arm and seed: a saved run and a kept final model do not change) keeps that row."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
@@ -34,6 +37,9 @@ def control_rows(results: Path, cache_dir: str, tasks: dict[str, Task], base: st
         task = tasks.get(record.get("task"))
         model_dir = final_model_path(cache_dir, record.get("task", ""), base, record.get("seed", -1))
         if not control or task is None or record["arm"] not in ARMS or not model_dir.is_dir():
+            continue
+        if (record["task"], record["arm"], record["seed"]) in (done or {}):
+            rows.append(done[(record["task"], record["arm"], record["seed"])])
             continue
         if task.name not in loaded:  # the task's tokenizer and training rows, once
             _, tokenizer = task.load(cache_dir, task.warm_start_steps, False)
@@ -132,7 +138,11 @@ def summary_markdown(summary: list[dict]) -> str:
 
 
 def write_control(results: Path, cache_dir: str, tasks: dict[str, Task]) -> str:
-    rows = control_rows(results, cache_dir, tasks)
+    """control.json and control.md in `results`; the rows of an earlier control.json are kept, so that the runs that
+    landed since are the only ones scored."""
+    saved = Path(results) / "control.json"
+    earlier = json.loads(saved.read_text())["runs"] if saved.is_file() else []
+    rows = control_rows(results, cache_dir, tasks, done={(r["task"], r["arm"], r["seed"]): r for r in earlier})
     summary = control_summary(rows)
     table = control_markdown(rows) + "\n\n" + summary_markdown(summary)
     (Path(results) / "control.json").write_text(json.dumps({"runs": rows, "summary": summary}, indent=1) + "\n")

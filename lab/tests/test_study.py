@@ -94,6 +94,15 @@ def test_killed_run_resumes_from_its_checkpoint_to_the_same_record(tmp_path):
     (row,) = study_control.control_rows(tmp_path / "straight", str(cache), tasks)
     assert (row["arm"], row["seed"], row["grpo_final"]) == ("exgrpo", 0, control["final"])
     assert "| countdown-weak | exgrpo | 0 |" in study_control.control_markdown([row])
+    # written, then written again: the saved row is kept, not scored again (a changed figure in control.json stays)
+    study_control.write_control(tmp_path / "straight", str(cache), tasks)
+    written = json.loads((tmp_path / "straight" / "control.json").read_text())
+    assert written["runs"] == [row]
+    written["runs"][0]["grpo_final"]["matched"] = 0.123456
+    (tmp_path / "straight" / "control.json").write_text(json.dumps(written))
+    study_control.write_control(tmp_path / "straight", str(cache), tasks)
+    assert json.loads((tmp_path / "straight" / "control.json").read_text())["runs"][0]["grpo_final"]["matched"] == (
+        0.123456)  # fmt: skip
 
     # killed from outside as soon as update 3's checkpoint holds the study's state
     proc = subprocess.Popen(command("killed"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
