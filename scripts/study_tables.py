@@ -8,9 +8,6 @@
 
     sweep          the step-size sweep (ExGRPO minus GRPO, paired by seed)       docs/study.md
     difficulty     the difficulty axis at the paper's step                       docs/study.md
-    user           for a user: one row a setting, in plain words, GRPO's final and   README.md
-                   ExGRPO's (and the reuse limit's, where run) differences on both axes;
-                   the registered study's confirm-user table instead, once all its runs are in
     arm-pairs      the arms paired by seed at the paper-shaped point             docs/study.md
     hard-pairs     the same at the hard point                                    docs/study.md
     hard-diagnostics  what the hard point's generation batches were made of      docs/study.md
@@ -23,7 +20,7 @@ and, from the registered study's benchmarks/results/confirm/analysis.md (`python
 --report-only`):
 
     confirm-answer         the registered answer in the plan's words (not a table)    docs/study.md
-    confirm-user           its answer for a user, both axes, Holm verdicts             docs/study.md
+    confirm-user           its answer for a user, both axes, Holm verdicts             docs/study.md, README.md
     confirm-primary        reuse_limit - grpo, the family of 8                        docs/study.md
     confirm-secondary      exgrpo - grpo and reuse_limit - exgrpo, the family of 16   docs/study.md
     confirm-concentration  exgrpo/replay/reuse per setting and arm                     docs/study.md
@@ -71,50 +68,8 @@ CONFIRM_NOT_YET = "_Not in yet: the registered runs are training; the analysis i
 PAGES = {
     "docs/study.md": ("sweep", "noise", "difficulty", "arm-pairs", "hard-pairs", "hard-diagnostics", "regimes",
                       "paper-point", "hard-point", "confirm-answer", *CONFIRM_HEADINGS, "confirm-reuse"),
-    "README.md": ("user",),
+    "README.md": ("user",),  # confirm-user's table
 }  # fmt: skip
-# The README's table speaks a user's words: what each setting's data is like (the settings' definitions in
-# lab/study/tasks.py; "never solved" is the difficulty table's measured share, filled in below).
-PLAIN = {
-    "countdown-paper-lr2.5e-5": "Countdown in the paper's batch shape and step (128 questions x 8 rollouts a batch); "
-    "{never} of the training questions never solved",
-    HARD_POINT: "the same from a weaker model: {never} of the questions never solved",
-    "addition": "a small pool (2,000 sums), one right answer each, 16 questions an update",
-    "countdown-weak": "a weak model (about 0.1 held-out pass@1 at the start), 16 questions an update",
-}
-
-
-def cells(row: str) -> list[str]:
-    """A table row's cells, each difference as its mean and interval (no "(sd ...)")."""
-    return [re.sub(r" \(sd [0-9.]+\)", "", c.strip()) for c in row.strip().strip("|").split("|")]
-
-
-def rows_by_first_cell(table: str) -> dict[str, list[str]]:
-    return {c[0]: c for c in map(cells, table.splitlines()[2:])}
-
-
-def user_table(tables: dict[str, str]) -> str:
-    """One row a setting of PLAIN: GRPO's final held-out pass@1 (median [min, max] over seeds), ExGRPO - GRPO and
-    the reuse limit - GRPO (where it was run: the hard point), final, at equal generated rollouts / equal updates."""
-    sweep = rows_by_first_cell(tables["sweep"])  # setting, step, lr, updates, GRPO, ExGRPO, eq. updates, eq. rollouts
-    difficulty = rows_by_first_cell(tables["difficulty"])  # setting, never solved, warm start, GRPO, ExGRPO, ...
-    hard = rows_by_first_cell(tables["hard-pairs"]) if tables["hard-pairs"] != NOT_YET else {}
-    axes = "same rollouts / same updates"
-    limit = "ExGRPO with `replay_cooldown: 9` - GRPO"
-    head = f"| your data is like | GRPO | ExGRPO - GRPO, {axes} | {limit}, {axes} | seeds |"
-    lines = [head, "|---|---|---|---|---|"]
-    for setting, plain in PLAIN.items():
-        if setting in difficulty:
-            d = difficulty[setting]
-            never, grpo, updates, rollouts, seeds = d[1], d[3], d[5], d[6], d[9]
-            plain = plain.format(never=f"{100 * float(never):.0f}%")
-        else:
-            s = sweep[setting]
-            grpo, updates, rollouts, seeds = s[4], s[6], s[7], s[10]
-        limit = hard.get("reuse_limit - grpo") if setting == HARD_POINT else None
-        limited = f"{limit[2]} / {limit[1]} ({limit[5]} seeds)" if limit else "not run here"
-        lines.append(f"| {plain} | {grpo} | {rollouts} / {updates} | {limited} | {seeds} |")
-    return "\n".join(lines)
 
 
 def table_after(report: str, heading: str, source: Path = RESULTS) -> str:
@@ -153,15 +108,13 @@ def main(argv: list[str]) -> int:
         for name, heading in HEADINGS.items()
     }
     tables["noise"] = next(line for line in report.splitlines() if line.startswith(NOISE))
-    tables["user"] = user_table(tables)
     confirm = CONFIRM.read_text() if CONFIRM.is_file() else None
     for name, heading in CONFIRM_HEADINGS.items():
         tables[name] = table_after(confirm, heading, CONFIRM) if confirm else CONFIRM_NOT_YET
     tables["confirm-answer"] = section_after(confirm, CONFIRM_ANSWER) if confirm else CONFIRM_NOT_YET
     reuse = [line for line in (confirm or "").splitlines() if line.startswith(CONFIRM_REUSE)]
     tables["confirm-reuse"] = reuse[0] if reuse else CONFIRM_NOT_YET
-    if confirm and not tables["confirm-answer"].startswith("Written when"):  # all the registered runs are in
-        tables["user"] = tables["confirm-user"]  # the README gives the registered answer, not the exploratory one
+    tables["user"] = tables["confirm-user"]  # the README's answer for a user is the registered one
     stale = []
     for rel, names in PAGES.items():
         path = ROOT / rel
