@@ -186,7 +186,7 @@ def user_table(runs: list[dict], rows: list[dict]) -> str:
     """The registered answer for a user, one row a setting: what the data is like (measured), GRPO's final held-out
     pass@1 (median over seeds), and ExGRPO and ExGRPO with the reuse limit against GRPO at equal generated rollouts /
     at equal updates (mean [95% t-interval over seeds], the verdict with Holm's correction)."""
-    found = {(c["setting"], c["arm"], c["base"], c["axis"]): c for c in rows}
+    found = _by_key(rows)
     axes = "same rollouts / same updates"
     lines = [f"| your data is like | GRPO final held-out pass@1 | ExGRPO - GRPO, {axes} | ExGRPO with the reuse limit "
              f"- GRPO, {axes} |", "|---|---|---|---|"]  # fmt: skip
@@ -276,6 +276,11 @@ def earlier_comparisons(root: str | Path = EARLIER) -> list[dict[str, Any]]:
     return [c for c in comparisons(runs) if c["n"]] if runs else []
 
 
+def _by_key(rows: list[dict[str, Any]]) -> dict[tuple[str, str, str, str], dict[str, Any]]:
+    """The tested comparisons (not the descriptive AUC) by setting, arm, base and axis."""
+    return {(c["setting"], c["arm"], c["base"], c["axis"]): c for c in rows if c["family"] != "descriptive"}
+
+
 def _figure(c: dict[str, Any]) -> str:
     return f"{_f(c['mean'])}{_interval(c)}"
 
@@ -312,7 +317,7 @@ def answer(rows: list[dict[str, Any]], earlier: list[dict[str, Any]] | None = No
     `comparisons`: a bullet per setting (the reuse limit against GRPO, then ExGRPO against GRPO and the limit against
     ExGRPO), the earlier claim at countdown-hard, what follows for `replay_cooldown`, and every comparison whose
     direction (the uncorrected 95% interval above or below 0) differs from the earlier study's (`earlier`)."""
-    found = {(c["setting"], c["arm"], c["base"], c["axis"]): c for c in rows if c["family"] != "descriptive"}
+    found = _by_key(rows)
     out = []
     for setting in SETTINGS:
         words = _phrase(found, setting, "reuse_limit", "grpo", PRIMARY_WORDS)
@@ -330,7 +335,7 @@ def answer(rows: list[dict[str, Any]], earlier: list[dict[str, Any]] | None = No
             f"{_phrase(found, setting, 'reuse_limit', 'exgrpo', SECONDARY_WORDS)}."
         )
     hard = found[("countdown-hard", "reuse_limit", "grpo", "final_rollouts")]
-    before = {(c["setting"], c["arm"], c["base"], c["axis"]): c for c in earlier or [] if c["family"] != "descriptive"}
+    before = _by_key(earlier or [])
     old = before.get(("countdown-hard", "reuse_limit", "grpo", "final_rollouts"))
     claim = f"the earlier result ({_figure(old)}, seeds 0-4, uncorrected)" if old else "the earlier result"
     if hard["verdict"] == "above":
@@ -378,11 +383,11 @@ def reuse_reading(conc: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str
     reuse = {c["setting"]: c["reuse_mean"] for c in conc if c["arm"] == "exgrpo" and c["reuse_mean"] is not None}
     limited = {c["setting"]: c["reuse_mean"] for c in conc if c["arm"] == "reuse_limit" and c["reuse_mean"]}
     lost = {c["setting"] for c in rows if (c["arm"], c["base"]) == ("exgrpo", "grpo") and c.get("verdict") == "below"}
+    if not reuse:
+        return "ExGRPO's `exgrpo/replay/reuse`: no ExGRPO run has logged it."
     figures = "; ".join(f"{s} {reuse[s]:.2f} ({'below GRPO' if s in lost else 'not below'})" for s in reuse)
     if limited:
         figures += "; with `replay_cooldown: 9`: " + ", ".join(f"{s} {v:.2f}" for s, v in limited.items())
-    if not reuse:
-        return "ExGRPO's `exgrpo/replay/reuse`: no ExGRPO run has logged it."
     lo = [reuse[s] for s in reuse if s in lost]
     hi = [reuse[s] for s in reuse if s not in lost]
     if not lo:

@@ -38,8 +38,9 @@ def control_rows(
         model_dir = final_model_path(cache_dir, record.get("task", ""), base, record.get("seed", -1))
         if not control or task is None or record["arm"] not in ARMS or not model_dir.is_dir():
             continue
-        if (record["task"], record["arm"], record["seed"]) in (done or {}):
-            rows.append(done[(record["task"], record["arm"], record["seed"])])
+        kept = (done or {}).get((record["task"], record["arm"], record["seed"]))
+        if kept is not None:
+            rows.append(kept)
             continue
         if task.name not in loaded:  # the task's tokenizer and training rows, once
             _, tokenizer = task.load(cache_dir, task.warm_start_steps, False)
