@@ -22,8 +22,8 @@ ENVIRONMENT_OWNED_DATA = (
     "pass the questions as a train_dataset (each row is given to reset(**row)), or train with GRPOTrainer."
 )
 IMAGE_MULTI_TURN = (
-    "ExGRPOTrainer does not replay image inputs with tools, environment_factory or rollout_func: a stored "
-    "trajectory's tool or environment images are not kept with it; train those with GRPOTrainer, or without images."
+    "ExGRPOTrainer does not replay image inputs with tools or environment_factory: a stored trajectory's tool or "
+    "environment images are not kept with it; train those with GRPOTrainer, or without images."
 )
 IMAGE_VLLM = (
     "ExGRPOTrainer with image inputs has not been run with vLLM yet (colocate or server mode; no test could run "
@@ -126,7 +126,8 @@ def check_arguments(params: dict[str, Any]) -> None:
         raise NotADirectoryError(f"output_dir {output_dir} is a file, not a folder; give a folder (output_dir=...)")
     columns = getattr(params.get("train_dataset"), "column_names", None) or []
     if has_images(columns):
-        if any(params.get(name) for name in ("tools", "environment_factory", "rollout_func")):
+        # a rollout function's images are the dataset's (TRL keeps no others), stored with the question's row
+        if any(params.get(name) for name in ("tools", "environment_factory")):
             raise NotImplementedError(IMAGE_MULTI_TURN)
         if getattr(params["args"], "use_vllm", False):
             raise NotImplementedError(IMAGE_VLLM)

@@ -289,7 +289,7 @@ def splice_rollout(output: dict[str, Any], rows: RowAssignment, plan: ReplayPlan
     n = len(output["completion_ids"])
     output = {key: list(value) if isinstance(value, list) else value for key, value in output.items()}
     completion_ids, logprobs = output["completion_ids"], output["logprobs"]
-    if output.get("env_mask") is None and any(m is not None for m in plan.masks):
+    if output.get("env_mask") is None and any(t.mask is not None for t in plan.trajectories):
         output["env_mask"] = [[1] * len(ids) for ids in completion_ids]
     for row in rows.splice:
         j = rows.replay_rows[row]
