@@ -15,6 +15,12 @@
                                                        # Qwen2.5-0.5B's shape; memory at the 7B recipe's batch
     accelerate launch --config_file recipes/accelerate/zero3.yaml --num_processes 1 benchmarks/real_vocab.py \\
         --checks smoke --device cuda --bf16 ...        # the smoke under DeepSpeed ZeRO-3
+    python benchmarks/real_vocab.py --checks smoke --rollout-func ...   # rollouts from a user's rollout_func
+
+`--rollout-func` generates through a rollout function of TRL's documented shape (the tests' `make_rollout`: the
+trainer's model sampling through `generate`, returning `prompt_ids`, `completion_ids`, `logprobs` and a per-row field
+`draw` the reward receives, no `env_mask`) instead of TRL's own generation; the smoke then also counts the replayed
+rows whose reward saw the field stored with their trajectory.
 
 The task is overhead.py's (a completion is solved when it ends with a stop token and holds an even number of marked
 tokens); an untrained model samples nearly uniformly over the vocabulary, so filler ids join EOS in its generation
@@ -37,6 +43,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # overhead's builders
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the repository: the tests' rollout function
 from overhead import add_task_arguments, build_model, build_task, trainer_config  # noqa: E402
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
@@ -66,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-rows", type=int, default=2, help="rows scored at once (the 7B recipe's per-device batch)")
     p.add_argument("--memory-prompt-length", type=int, default=256)
     p.add_argument("--memory-completion-length", type=int, default=64, help="the 7B recipe: 8192")
+    p.add_argument("--rollout-func", action="store_true", help="generate through a rollout_func (module docstring)")
     p.add_argument("--output-dir", default=None, help="checkpoints and the model folder (default: a temporary one)")
     p.add_argument("--json", help="also write the figures to this JSON file")
     args = p.parse_args(argv)
@@ -105,13 +113,22 @@ def make_trainer(args, model_dir, tokenizer, reward, dataset, output_dir, **over
         replay_cooldown=args.replay_cooldown,
     )
     config.update(overrides)
-    return ExGRPOTrainer(
+    extra = {}
+    if args.rollout_func:
+        from tests.support.rollouts import FieldLog, make_rollout
+
+        log = FieldLog()
+        reward, extra["rollout_func"] = log.reward(reward), make_rollout(log=log)
+    trainer = ExGRPOTrainer(
         model=model_dir,
         reward_funcs=reward,
         args=ExGRPOConfig(**config),
         train_dataset=dataset,
         processing_class=tokenizer,
+        **extra,
     )
+    trainer.field_log = log if args.rollout_func else None
+    return trainer
 
 
 def logged(trainer, key: str) -> list[float]:
@@ -119,12 +136,15 @@ def logged(trainer, key: str) -> list[float]:
 
 
 def count_replays(trainer) -> list[int]:
-    """A list that receives the number of replayed groups of each generation batch the trainer plans."""
+    """A list that receives the number of replayed groups of each generation batch the trainer plans (the plans
+    themselves: `trainer.plans`)."""
     counts, plan = [], trainer.exgrpo_run._plan
+    trainer.plans = []
 
     def counting(*a, **kw):
         result = plan(*a, **kw)
         counts.append(0 if result is None else len(result.group_indices))
+        trainer.plans.append(result)
         return result
 
     trainer.exgrpo_run._plan = counting
@@ -178,6 +198,8 @@ def check_smoke(args, model_dir, tokenizer, reward, dataset, out: Path) -> dict:
         if trainer.is_deepspeed_enabled
         else None,
     }
+    if trainer.field_log is not None:
+        figures.update(rollout_func_calls=trainer.field_log.calls, **fields_of_replayed_rows(trainer))
     del trainer
     _free(args)
 
@@ -193,6 +215,15 @@ def check_smoke(args, model_dir, tokenizer, reward, dataset, out: Path) -> dict:
         buffer_trajectories_after_resume=resumed.exgrpo_state.buffer.num_trajectories,
     )
     return figures
+
+
+def fields_of_replayed_rows(trainer) -> dict:
+    """Of the replayed rows (one process), how many reached the reward with the field stored with their trajectory."""
+    k, draws = trainer.num_generations, trainer.field_log.draws
+    rows = [(b, j, g * k) for b, plan in enumerate(trainer.plans) if plan is not None
+            for j, g in enumerate(plan.group_indices)]  # fmt: skip
+    own = sum(draws[b][row] == trainer.plans[b].record(j).get("fields", {}).get("draw") for b, j, row in rows)
+    return {"replayed_rows": len(rows), "replayed_rows_with_their_field": own}
 
 
 def _free(args) -> None:

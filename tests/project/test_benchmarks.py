@@ -18,10 +18,11 @@ def load_benchmark(name: str):
     return module
 
 
-def run_tiny(name: str, tmp_path) -> dict:
-    """benchmarks/NAME.py at its tiny default size, checkpoints under tmp_path: its figures (it must exit 0)."""
+def run_tiny(name: str, tmp_path, *flags: str) -> dict:
+    """benchmarks/NAME.py at its tiny default size with `flags`, checkpoints under tmp_path: its figures (it must exit
+    0)."""
     out = tmp_path / "figures.json"
-    assert load_benchmark(name).main(["--output-dir", str(tmp_path / "run"), "--json", str(out)]) == 0
+    assert load_benchmark(name).main(["--output-dir", str(tmp_path / "run"), "--json", str(out), *flags]) == 0
     return json.loads(out.read_text())
 
 
@@ -208,6 +209,18 @@ def test_real_vocab_tiny_run(tmp_path):
     assert numerics["float16_half_spacing_max"] == 2**-9
     assert numerics["abs_log_w_max"] <= 2**-9 + 1e-5 and numerics["excess_over_storage_max"] <= 1e-5
     assert abs(numerics["logged_is_weight_mean"] - 1) < 2**-9
+
+
+def test_real_vocab_smoke_with_a_rollout_func(tmp_path, monkeypatch):
+    # "real_vocab.py --checks smoke --rollout-func": the same smoke, rollouts from a rollout_func of TRL's documented
+    # shape (no env_mask, a per-row field): one call per generation batch, 2 + 1 batches; each replayed row (the first
+    # row of each of the 2 replayed groups of batch 2, and of the batch after the resume) reached the reward with the
+    # field stored with its trajectory.
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    smoke = run_tiny("real_vocab", tmp_path, "--checks", "smoke", "--rollout-func")["smoke"]
+    assert smoke["rollout_func_calls"] == 2 and smoke["replayed_groups_per_generation_batch"] == [0, 2]
+    assert smoke["replayed_rows"] == smoke["replayed_rows_with_their_field"] == 2
+    assert smoke["buffer_restored_exactly"] and smoke["replayed_groups_after_resume"] == [2]
 
 
 def test_vlm_smoke_tiny_run(tmp_path):

@@ -86,8 +86,11 @@ def make_rollout(*, env_mask: bool = False, logprobs: str | None = "floats", fie
             )  # fmt: skip
         steps = torch.stack(out.scores, dim=1).float().log_softmax(-1)  # (B, new tokens, V)
         completion_ids, token_logps = [], []
+        stops = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+        stops = {eos, *filter(lambda x: x is not None, stops)}  # a generation config may list several stop ids
         for i, row in enumerate(out.sequences[:, width:].tolist()):
-            end = row.index(eos) + 1 if eos in row else len(row)  # up to and including EOS, or all (truncated)
+            ends = [t for t, token in enumerate(row) if token in stops]
+            end = ends[0] + 1 if ends else len(row)  # up to and including the stop token, or all (truncated)
             completion_ids.append(row[:end])
             token_logps.append([steps[i, t, row[t]].item() for t in range(end)])
         output: dict[str, Any] = {
