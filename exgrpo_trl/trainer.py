@@ -40,6 +40,11 @@ logger = logging.get_logger(__name__)
 # benchmark's CPU model took 62.8 ms in chunks of 16, 55.6 ms in chunks of 32 and 60.0 ms in chunks of 48.
 SCORING_CHUNK_ROWS = 32
 REPLAYED_COLUMN = "exgrpo_replayed"  # column of the completions table marking replayed rows
+GENERATED_ROWS = (
+    "ExGRPO: the generation backend {what} for {asked} prompt rows ({skipped} of this batch's {rows} rows hold a "
+    "stored trajectory and are not sampled: a replayed group generates K - 1 rows); a generate that returns a fixed "
+    "number of rows, such as a test's mock, cannot serve replay: return one completion per prompt row it is given"
+)
 
 
 def save_without_push(trainer, output_dir: str) -> None:
@@ -110,6 +115,10 @@ class ExGRPOTrainer(GRPOTrainer):
     }
 
     _exgrpo_captured: list[torch.Tensor] | None = None  # open while `_exgrpo_capture_logps` is
+    # Built by __init__; None on a trainer made without it (TRL's own unit tests build bare ones with object.__new__),
+    # which then behaves as GRPOTrainer.
+    exgrpo_state: ExGRPOState | None = None
+    exgrpo_run: ExGRPORun | None = None
 
     def __init__(self, *args, **kwargs):
         params = inspect.signature(GRPOTrainer.__init__).bind(None, *args, **kwargs).arguments
@@ -157,6 +166,10 @@ class ExGRPOTrainer(GRPOTrainer):
             progress=not self.args.disable_tqdm,
         )
 
+    def _exgrpo_open_batch(self) -> GenerationBatch | None:
+        """The training generation batch being generated and scored; None outside one, and without ExGRPO's run."""
+        return None if self.exgrpo_run is None else self.exgrpo_run.open_batch
+
     def _exgrpo_tokenize_completion(self, text: str) -> list[int]:
         """Token ids of `text` as the model's completion of its prompt would be: the text, then EOS."""
         return list(self._tokenizer(text, add_special_tokens=False)["input_ids"]) + [self._tokenizer.eos_token_id]
@@ -166,11 +179,13 @@ class ExGRPOTrainer(GRPOTrainer):
         # Always wrapped, so that where the sampler is in its epochs is saved with checkpoints (a resume in a later
         # epoch draws that epoch's order); with nothing to skip it yields exactly TRL's sampler's indices.
         dataset = self.train_dataset if dataset is None else dataset
+        if self.exgrpo_state is None:
+            return super()._get_train_sampler(dataset)
         return self.exgrpo_state.wrap_sampler(super()._get_train_sampler(dataset), dataset)
 
     # ------------------------------------------------------------------------------------------ generation
     def _generate_and_score_completions(self, inputs):
-        if not self.model.training:  # evaluation never replays and never collects
+        if not self.model.training or self.exgrpo_run is None:  # evaluation never replays and never collects
             with quiet_checkpointing_deprecation():
                 return super()._generate_and_score_completions(inputs)
         run = self.exgrpo_run
@@ -184,7 +199,7 @@ class ExGRPOTrainer(GRPOTrainer):
         return output
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        batch = self.exgrpo_run.open_batch  # None outside a training generation batch
+        batch = self._exgrpo_open_batch()
         # Only the first call holds every row: the tool loop calls again for the rows that called a tool, and with a
         # rollout function the rows are the function's (spliced in `_generate`).
         first_turn = batch is not None and batch.next_turn() and self.rollout_func is None
@@ -192,9 +207,23 @@ class ExGRPOTrainer(GRPOTrainer):
         rows = list(range(len(prompt_ids)))
         if self._exgrpo_can_skip_spliced_rows(splice, prompt_ids, images, multimodal_fields):
             rows = [i for i in rows if i not in splice]  # do not sample a completion only to discard it
-        completion_ids, logprobs = super()._generate_single_turn(
-            [prompt_ids[i] for i in rows], images, multimodal_fields, num_generations, has_tool_images
-        )
+        skipped = len(prompt_ids) - len(rows)
+        try:
+            completion_ids, logprobs = super()._generate_single_turn(
+                [prompt_ids[i] for i in rows], images, multimodal_fields, num_generations, has_tool_images
+            )
+        except RuntimeError as error:  # a size mismatch inside a generate that ignores how many rows it was given
+            if not skipped or isinstance(error, torch.OutOfMemoryError):
+                raise
+            what = f"failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+            raise RuntimeError(
+                GENERATED_ROWS.format(what=what, asked=len(rows), skipped=skipped, rows=len(prompt_ids))
+            ) from error
+        if len(completion_ids) != len(rows):
+            what = f"returned {len(completion_ids)} completions"
+            raise RuntimeError(
+                GENERATED_ROWS.format(what=what, asked=len(rows), skipped=skipped, rows=len(prompt_ids))
+            )
         if not splice:
             return completion_ids, logprobs
         return merge_spliced(len(prompt_ids), rows, completion_ids, logprobs, splice)
@@ -202,7 +231,7 @@ class ExGRPOTrainer(GRPOTrainer):
     def _tool_call_loop(self, prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
         # Where a whole multi-turn completion becomes known: the stored trajectory (spliced whole at the first turn)
         # is kept out of the loop, so none of its tool calls runs again, and gets its model mask and message list.
-        batch = self.exgrpo_run.open_batch
+        batch = self._exgrpo_open_batch()
         splice = batch.rows.splice if batch is not None else {}
         parsed = {row: completions[row] for row in splice}
         for row in splice:
@@ -218,7 +247,7 @@ class ExGRPOTrainer(GRPOTrainer):
 
     def _generate(self, prompts):
         # A rollout function produces every row; its output gets the stored trajectories before TRL decodes it.
-        batch: GenerationBatch | None = self.exgrpo_run.open_batch
+        batch = self._exgrpo_open_batch()
         rollout_func = self.rollout_func
         if batch is None or rollout_func is None or not batch.rows.splice:
             return super()._generate(prompts)
@@ -244,7 +273,7 @@ class ExGRPOTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        batch = self.exgrpo_run.open_batch
+        batch = self._exgrpo_open_batch()
         if batch is None:
             return rewards_per_func
         return self.exgrpo_run.scored(batch, inputs, prompts, completions, completion_ids_list, rewards_per_func)
@@ -316,12 +345,14 @@ class ExGRPOTrainer(GRPOTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Every training log row carries every ExGRPO metric (`ExGRPOState.log_metrics`).
-        if self.model.training and "loss" in logs:
+        if self.exgrpo_state is not None and self.model.training and "loss" in logs:
             self.exgrpo_state.log_metrics(self._metrics["train"])
         super().log(logs, start_time)
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model, trial):
+        if self.exgrpo_state is None:
+            return super()._save_checkpoint(model, trial)
         # Written into the checkpoint folder BEFORE super() saves the rest and may start the Hub upload of it.
         self.exgrpo_run.flush(keep_pending=True)
         run_dir = self._get_output_dir(trial=trial)
@@ -354,7 +385,8 @@ class ExGRPOTrainer(GRPOTrainer):
             return None
         # Told here, not through the dataloader: resumed inside an epoch on several processes, accelerate wraps the
         # batch sampler once more, and neither its set_epoch nor transformers' reaches the sampler any longer.
-        self.exgrpo_state.set_epoch(inspect.signature(super()._run_epoch).bind(*args, **kwargs).arguments["epoch"])
+        if self.exgrpo_state is not None:
+            self.exgrpo_state.set_epoch(inspect.signature(super()._run_epoch).bind(*args, **kwargs).arguments["epoch"])
         return super()._run_epoch(*args, **kwargs)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
@@ -364,7 +396,7 @@ class ExGRPOTrainer(GRPOTrainer):
             model_name=model_name, dataset_name=None if local_dataset else dataset_name, tags=tags
         )
         path = os.path.join(self.args.output_dir, "README.md")
-        if not self.is_world_process_zero() or not os.path.isfile(path):
+        if not self.is_world_process_zero() or not os.path.isfile(path) or self.exgrpo_state is None:
             return
         section = exgrpo_card_section(self.args, self.exgrpo_state, self.state.global_step)
         with open(path, encoding="utf-8") as f:
@@ -391,7 +423,7 @@ class ExGRPOTrainer(GRPOTrainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)  # under DeepSpeed it returns early; we still run
-        if checkpoint is not None:
+        if checkpoint is not None and self.exgrpo_state is not None:
             args = self.args  # optimizer updates per generation batch: for states stamped with the optimizer step
             updates = args.steps_per_generation * args.num_iterations / args.gradient_accumulation_steps
             self.exgrpo_state.restore(checkpoint, updates_per_batch=updates)
@@ -424,7 +456,7 @@ class ExGRPOTrainer(GRPOTrainer):
         return logps, entropies, aux_loss
 
     def _compute_loss(self, model, inputs):
-        training = self.model.training
+        training = self.model.training and self.exgrpo_run is not None
         replay = training and BatchKey.REPLAY_MASK in inputs
         collect_now = training and self.exgrpo_run.collects_in(inputs)
         unclipped = training and BatchKey.UNCLIPPED in inputs

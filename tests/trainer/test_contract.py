@@ -243,3 +243,87 @@ def test_every_private_name_touched_is_pinned():
         f"unpinned: { {n: w for n, w in found.items() if pinned.get(n) != w} }, "
         f"pinned but unused: {sorted(set(pinned) - set(found))}"
     )
+
+
+# ------------------------------------------------------------------------------------------------ TRL's own unit tests
+def _bare(cls):
+    """A trainer built without __init__, as TRL's own unit tests build GRPOTrainer (`object.__new__` and the
+    attributes `_generate` reads: TRL's TestGRPORolloutDispatch)."""
+    from types import SimpleNamespace
+    from unittest.mock import MagicMock
+
+    import torch
+
+    trainer = object.__new__(cls)
+    trainer.accelerator = SimpleNamespace(device=torch.device("cpu"), is_main_process=True, gather=lambda t: t)
+    trainer.args = SimpleNamespace(report_to=[])
+    trainer.model = SimpleNamespace(training=True)
+    trainer.state = SimpleNamespace(global_step=2, num_input_tokens_seen=0)
+    trainer._last_loaded_step = 1
+    trainer.use_vllm = False
+    trainer.use_transformers_continuous_batching = False
+    trainer.vllm_generation = SimpleNamespace(sync_weights=MagicMock())
+    trainer.processing_class = SimpleNamespace(batch_decode=MagicMock(return_value=["decoded"]))
+    trainer._tokenizer = SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    trainer.eos_token_ids = [2]
+    trainer.tools = None
+    trainer._metrics = {"train": __import__("collections").defaultdict(list)}
+    return trainer
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        {"prompt_ids": [[1]], "completion_ids": [[2]], "logprobs": [[-0.1]], "env_mask": [[1]]},
+        {"prompt_ids": [[1]], "completion_ids": [[2]], "logprobs": [[0.0]]},
+        {"prompt_ids": [[1]], "completion_ids": [[2]]},  # a required key missing: TRL's own error
+    ],
+    ids=["env_mask", "plain", "missing logprobs"],
+)
+def test_a_trainer_built_without_init_behaves_as_grpotrainer(output):
+    """TRL's rollout-dispatch unit tests on a bare trainer: ExGRPOTrainer gives GRPOTrainer's result (or error), where
+    it raised `no attribute exgrpo_run` before (its hooks read the run, which only __init__ builds)."""
+    from unittest.mock import MagicMock
+
+    results, metrics = [], []
+    for cls in (GRPOTrainer, ExGRPOTrainer):
+        trainer = _bare(cls)
+        trainer.rollout_func = MagicMock(return_value=dict(output))
+        try:
+            results.append(trainer._generate(["prompt"]))
+        except ValueError as error:
+            results.append(str(error))
+        trainer.rollout_func.assert_called_once_with(["prompt"], trainer)
+        metrics.append(dict(trainer._metrics["train"]))
+    assert results[0] == results[1] and metrics[0] == metrics[1]
+    if "logprobs" not in output:
+        assert results[1] == "rollout_func must return keys ['logprobs'] in its output dict."
+
+
+def test_a_generate_that_ignores_the_row_count_is_told_in_one_line(tmp_path, tokenizer, monkeypatch):
+    """A mocked `generate` that returns as many rows as a whole batch (TRL's tests mock it so), under replay: a
+    replayed group generates K - 1 rows, so the mock's own concatenation fails; the trainer says why in one line.
+    4 groups of K = 8: the first batch (32 rows, nothing replayed) trains; the second replays floor(0.5 x 4) = 2
+    groups, so 30 rows are generated."""
+    import torch
+    from transformers.generation.utils import GenerationMixin
+
+    eos = tokenizer.eos_token_id
+    digit = tokenizer.convert_tokens_to_ids("1")
+
+    def fake_generate(self, input_ids, **kwargs):  # 32 completions "1 1 <eos>", whatever it is given
+        completions = torch.tensor([[digit, digit, eos]] * 32, device=input_ids.device)
+        return torch.cat([input_ids, completions], dim=1)
+
+    monkeypatch.setattr(GenerationMixin, "generate", fake_generate)
+
+    def alternate(completion_ids, **kwargs):  # every other row solved: every group 4 of 8, stored and replayed
+        return [float(i % 2) for i in range(len(completion_ids))]
+
+    trainer = make_trainer(tmp_path, tokenizer, replay_start_pass_rate=0.0, max_steps=2, reward_funcs=alternate)
+    with pytest.raises(RuntimeError) as info:
+        trainer.train()
+    message = str(info.value)
+    assert "\n" not in message and trainer.state.global_step == 1
+    assert message.startswith("ExGRPO: the generation backend failed (RuntimeError: Sizes of tensors must match")
+    assert "for 30 prompt rows (2 of this batch's 32 rows hold a stored trajectory" in message
