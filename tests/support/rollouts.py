@@ -107,3 +107,27 @@ def make_rollout(*, env_mask: bool = False, logprobs: str | None = "floats", fie
 
     rollout.log = log
     return rollout
+
+
+def make_vllm_rollout(log: FieldLog | None = None):
+    """A rollout function generating through the trainer's vLLM (colocate or server mode), as OpenEnv-style
+    integrations do: the prompts tokenized, `trainer.vllm_generation.generate` asked for one completion per prompt
+    row (K rows per question, as TRL's own generation asks), the sampled tokens' log-probs, and the field `draw`."""
+    log = FieldLog() if log is None else log
+
+    def rollout(prompts, trainer):
+        prompt_ids = [trainer.processing_class(text=p, add_special_tokens=False)["input_ids"] for p in prompts]
+        _, completion_ids, logprobs, _ = trainer.vllm_generation.generate(
+            prompts=prompt_ids, images=None, num_generations=trainer.num_generations
+        )
+        output = {
+            "prompt_ids": prompt_ids,
+            "completion_ids": [list(ids) for ids in completion_ids],
+            "logprobs": [[lp[0] for lp in seq] for seq in logprobs],
+            "draw": [f"{log.calls}:{i}" for i in range(len(completion_ids))],
+        }
+        log.calls += 1
+        return output
+
+    rollout.log = log
+    return rollout

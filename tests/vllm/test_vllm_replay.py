@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from exgrpo_trl.trainer import BatchKey
-from tests.helpers import make_trainer, synthetic_dataset, tiny_config
+from tests.helpers import make_reward, make_trainer, synthetic_dataset, tiny_config
 
 from . import cpu_weight_sync
 from .helpers import vllm_env
@@ -247,8 +247,12 @@ def _float32_llm(monkeypatch) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- the runs
-def run_exgrpo(mode: str, work: Path) -> dict:
+def run_exgrpo(mode: str, work: Path, rollout: bool = False) -> dict:
+    """One run in `mode`; `rollout`: generation through a user's rollout function that calls the trainer's vLLM
+    (tests/support/rollouts.py), without offline guidance (which takes no rollout function)."""
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from tests.support.rollouts import FieldLog, make_vllm_rollout
 
     model_dir = build_model_dir(work / "model")
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir)
@@ -277,12 +281,16 @@ def run_exgrpo(mode: str, work: Path) -> dict:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         from tests.support.recording import RecordingTrainer
 
+        log = FieldLog()
+        rollout_kwargs = {"trainer_kwargs": {"rollout_func": make_vllm_rollout(log)}} if rollout else {}
+        if rollout:
+            mp.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
         trainer = make_trainer(
             work,
             tokenizer,
             cls=RecordingTrainer,
             model=model,
-            train_dataset=offline_dataset(),
+            train_dataset=synthetic_dataset() if rollout else offline_dataset(),
             use_vllm=True,
             vllm_mode=mode,
             vllm_max_model_length=64,
@@ -293,7 +301,9 @@ def run_exgrpo(mode: str, work: Path) -> dict:
             max_steps=MAX_STEPS,
             replay_start_pass_rate=0.0,  # replay forced on from the first batch the buffer can serve
             replay_ratio=0.5,
-            offline_solutions_column="solution",  # every third question has an offline solution (algorithm §11)
+            reward_funcs=log.reward(make_reward(tokenizer)),
+            **({} if rollout else {"offline_solutions_column": "solution"}),  # every third question (algorithm §11)
+            **rollout_kwargs,
             **extra,
         )
         timings["trainer_init_s"] = time.monotonic() - started
@@ -316,6 +326,7 @@ def run_exgrpo(mode: str, work: Path) -> dict:
             },
             "log_history": trainer.state.log_history,
             "timings": timings,
+            "rewards_saw": log,
         }
         if mode == "colocate":
             vg = trainer.vllm_generation
@@ -331,6 +342,17 @@ def vllm_run(request, tmp_path_factory, vllm_report):
     record = run_exgrpo(request.param, tmp_path_factory.mktemp(f"vllm-{request.param}"))
     record["report"] = vllm_report
     vllm_report.append(f"{record['mode']}: " + ", ".join(f"{k} {v:.1f}" for k, v in record["timings"].items()))
+    return record
+
+
+@pytest.fixture(scope="module", params=["server", "colocate"])
+def vllm_rollout_run(request, tmp_path_factory, vllm_report):
+    """The same run with a rollout function that generates through the trainer's vLLM."""
+    record = run_exgrpo(request.param, tmp_path_factory.mktemp(f"vllm-rollout-{request.param}"), rollout=True)
+    record["report"] = vllm_report
+    vllm_report.append(
+        f"{record['mode']} rollout_func: " + ", ".join(f"{k} {v:.1f}" for k, v in record["timings"].items())
+    )
     return record
 
 
@@ -475,4 +497,32 @@ def test_buffer_fills(vllm_run):
     vllm_run["report"].append(
         f"{vllm_run['mode']}: buffer after each batch's scoring {sizes}; at the end "
         + ", ".join(f"{k} {v}" for k, v in vllm_run["buffer"].items())
+    )
+
+
+def test_rollout_func_generating_with_vllm_replays(vllm_rollout_run):
+    """A user's rollout function that calls the trainer's vLLM (colocate and server mode): TRL syncs the weights
+    before each call, the function generates every row (K per question), and the stored trajectory replaces its
+    row, with the per-row field the function returned for it when it was collected."""
+    run, log = vllm_rollout_run, vllm_rollout_run["rewards_saw"]
+    assert log.calls == len(run["batches"]) == MAX_STEPS
+    replayed = 0
+    for b, batch in enumerate(run["batches"]):
+        plan, out, sent = batch["plan"], batch["output"], batch["vllm"]
+        assert (len(plan.group_indices) if plan else 0) == min(batch["before"]["questions"], GROUPS // 2)
+        assert sent["num_generations"] == K and len(sent["prompts"]) == K * GROUPS  # every row generated
+        for j, group in enumerate(plan.group_indices if plan else []):
+            row, ids = group * K, plan.completion_ids[j]
+            assert out["completion_ids"][row, : len(ids)].tolist() == ids == log.ids[b][row]
+            assert ids in batch["before"]["trajectories"][plan.keys[j]]
+            draw = plan.record(j)["fields"]["draw"]
+            call, source = map(int, draw.split(":"))
+            assert log.draws[b][row] == draw and call < b and log.ids[call][source] == ids
+            replayed += 1
+    assert replayed >= 4, replayed
+    syncs = [s for batch in run["batches"] for s in batch["syncs"]]
+    assert [s["step"] for s in syncs] == list(range(MAX_STEPS))  # TRL synced before each call of the function
+    assert all((s["vllm"] - s["hf"]).abs().max().item() < LOGPROB_TOL for s in syncs)  # with the trained weights
+    run["report"].append(
+        f"{run['mode']} rollout_func: {replayed} stored trajectories spliced over {MAX_STEPS} batches"
     )
