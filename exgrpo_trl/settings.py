@@ -305,7 +305,16 @@ CARD_LABELS = {
     "policy_shaping_gamma": "policy shaping gamma (None: plain importance ratio)",
     "replay_importance_correction": "importance correction",
     "offline_solutions_column": "offline solutions column (None: no offline guidance)",
+    "offline_guidance": "offline guidance (which fresh groups get a solution)",
+    # shown when set to other than their default (`card_rows`)
+    "success_reward_threshold": "success threshold (weighted total reward >=)",
+    "skip_retired_questions": "retired questions skipped when fresh ones are drawn",
+    "skip_retired_without_replay": "retired questions skipped at replay ratio 0 too",
+    "replay_stored_trajectory": "stored trajectory in a replayed group (False: K fresh rollouts)",
+    "remove_clip_after_replay_start": "PPO clip removed on fresh tokens once replay starts",
+    "initial_experience": "buffer seeded from (initial_experience)",
 }
+CARD_ALWAYS = tuple(list(CARD_LABELS)[:12])  # the main settings, shown whatever their value
 # The experience buffer's sampling settings (`sampling_settings`) -> the key its saved state keeps each under.
 STATE_KEYS = {"replay_mu": "mu", "replay_sigma": "sigma", "question_selection": "question_selection",
               "replay_cooldown": "cooldown"}  # fmt: skip
@@ -324,8 +333,14 @@ def sampling_settings() -> dict[str, tuple[str, Any]]:
 
 
 def card_rows(settings: ExGRPOSettings) -> list[tuple[str, Any]]:
-    """(label, value) of each setting the model card shows, in field order."""
-    return [(label, getattr(settings, name)) for name, label in CARD_LABELS.items()]
+    """(label, value) of each setting the model card shows: the main ones (`CARD_ALWAYS`), then every other one set
+    to other than its default, in `CARD_LABELS` order (every field has a label there)."""
+    defaults = {f.name: f.default for f in fields(ExGRPOSettings)}
+    return [
+        (label, getattr(settings, name))
+        for name, label in CARD_LABELS.items()
+        if name in CARD_ALWAYS or getattr(settings, name) != defaults[name]
+    ]
 
 
 def settings_of(config: Any) -> ExGRPOSettings:

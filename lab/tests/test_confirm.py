@@ -100,7 +100,20 @@ def test_a_confirmatory_run_refuses_uncommitted_changes(tmp_path, monkeypatch, c
     assert study.main(["--confirm", "--results", str(tmp_path / "results")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--confirm: uncommitted changes to tracked files" in err
-    assert study.main(["--confirm", "--quick"]) == 2  # the registered settings are not shrunk
+
+
+@pytest.mark.parametrize("shrink", [["--quick"], ["--set", "steps=10"]], ids=["quick", "set"])
+def test_the_registered_study_is_not_shrunk(tmp_path, monkeypatch, capsys, shrink):
+    """--confirm with --quick or --set is refused by its own rule, on a clean tree with nothing run yet (where
+    without the rule the study would start training: that start fails this test instead)."""
+    from lab.study import cli
+
+    monkeypatch.setattr(provenance, "LAB_ROOT", _repo(tmp_path))
+    monkeypatch.setattr(cli, "run_missing", lambda *a: pytest.fail("the registered study started training"))
+    assert study.main(["--confirm", "--results", str(tmp_path / "results"), *shrink]) == 2
+    assert capsys.readouterr().err == (
+        "lab.study: --confirm runs the registered settings as they are: no --quick or --set\n"
+    )
 
 
 def test_one_commit_per_registered_study(tmp_path):
@@ -381,3 +394,19 @@ def test_reuse_reading_gives_a_threshold_only_where_the_settings_separate():
         "to 4.50): no threshold" in text  # fmt: skip
     assert "in no setting, so no value of it marks a loss" in confirm.reuse_reading(conc, rows(set()))
     assert confirm.reuse_reading([], rows(set())) == "ExGRPO's `exgrpo/replay/reuse`: no ExGRPO run has logged it."
+
+
+def test_the_committed_analysis_is_what_the_committed_runs_give(tmp_path):
+    """analysis.md and analysis.json of the registered study, written again by today's confirm.analyse from the
+    committed runs (and the earlier study's, which the answer compares with), equal the committed files byte for
+    byte: a change to the analysis code cannot move the published answer unseen."""
+    committed = Path(__file__).resolve().parents[2] / confirm.RESULTS
+    results = tmp_path / "confirm"
+    results.mkdir()
+    for entry in committed.iterdir():
+        if not entry.name.startswith("analysis."):
+            (results / entry.name).symlink_to(entry)
+    (tmp_path / "study").symlink_to(committed.parent / "study")
+    confirm.analyse(results)
+    for name in ("analysis.md", "analysis.json"):
+        assert (results / name).read_bytes() == (committed / name).read_bytes(), name

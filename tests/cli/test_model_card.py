@@ -83,6 +83,7 @@ def test_card_training_values(card_run):
         "policy shaping gamma (None: plain importance ratio)": "0.2",
         "importance correction": "True",
         "offline solutions column (None: no offline guidance)": "None",
+        "offline guidance (which fresh groups get a solution)": "all_groups",
         "rollouts per question (K)": "4",
         "loss type": "bnpo",
         "learning rate": "0.0003",
@@ -210,9 +211,46 @@ def test_fix_local_references_on_trls_template():
     assert 'model="out"' in text and "None" not in text.split("---", 2)[2].split("## Citations")[0]
 
 
-def test_card_says_whether_offline_guidance_was_on():
+def test_card_says_whether_offline_guidance_was_on_and_its_mode():
     state = _state(SimpleNamespace(num_questions=0, num_trajectories=0, retired=set()), False)
-    label = "offline solutions column (None: no offline guidance)"
-    assert f"| {label} | None |" in exgrpo_card_section(_args(), state, 0)
-    on = _args(offline_solutions_column="target", offline_guidance="unsolved")
-    assert f"| {label} | target |" in exgrpo_card_section(on, state, 0)
+    column, mode = (
+        "offline solutions column (None: no offline guidance)",
+        "offline guidance (which fresh groups get a solution)",
+    )
+    off = exgrpo_card_section(_args(), state, 0)
+    assert f"| {column} | None |" in off and f"| {mode} | all_groups |" in off
+    on = exgrpo_card_section(_args(offline_solutions_column="target", offline_guidance="unsolved"), state, 0)
+    assert f"| {column} | target |" in on and f"| {mode} | unsolved |" in on
+
+
+def _another_value(f):
+    """A valid value of ExGRPOSettings field `f` other than its default, derived from its type and default."""
+    from exgrpo_trl.settings import OFFLINE_GUIDANCE, QUESTION_SELECTIONS, TRAJECTORY_SELECTIONS
+
+    choices = {"question_selection": QUESTION_SELECTIONS, "trajectory_selection": TRAJECTORY_SELECTIONS,
+               "offline_guidance": OFFLINE_GUIDANCE}  # fmt: skip
+    if f.name in choices:
+        return next(c for c in choices[f.name] if c != f.default)
+    if isinstance(f.default, bool):
+        return not f.default
+    if isinstance(f.default, (int, float)):
+        return f.default + 1 if f.name in ("replay_cooldown", "max_trajectory_candidates") else f.default / 2 or 0.25
+    return "a-column" if "column" in f.name else "an-export"  # str | None defaulting to None
+
+
+def test_every_setting_set_away_from_its_default_is_on_the_card():
+    """Derived from the dataclass, so that a new setting cannot be left off the card: every field has a label, and a
+    run that sets any one of them to another value shows that value under its label (the main settings always)."""
+    from dataclasses import fields
+
+    from exgrpo_trl.settings import CARD_ALWAYS, CARD_LABELS, ExGRPOSettings
+
+    assert set(CARD_LABELS) == {f.name for f in fields(ExGRPOSettings)}
+    state = _state(SimpleNamespace(num_questions=0, num_trajectories=0, retired=set()), False)
+    default_rows = set(re.findall(r"^\| ([^|]+?) \|", exgrpo_card_section(_args(), state, 0), flags=re.M))
+    assert {CARD_LABELS[n] for n in CARD_ALWAYS} <= default_rows
+    assert not {CARD_LABELS[n] for n in CARD_LABELS if n not in CARD_ALWAYS} & default_rows  # only when set
+    for f in fields(ExGRPOSettings):
+        value = _another_value(f)
+        card = exgrpo_card_section(_args(**{f.name: value}), state, 0)
+        assert f"| {CARD_LABELS[f.name]} | {value} |" in card, f.name
