@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.util
+import json
 import os
 import re
 import shlex
@@ -216,6 +218,15 @@ def _refusal_cases(tmp_path: Path, toy_dir: Path) -> list[tuple[str, list[str], 
             unreachable,
             q(on_the_hub + "the Hub (http://127.0.0.1:9) cannot be reached (") + ".+" + q(") with no copy") + ".*",
         ),
+        # packages this environment really lacks (vLLM's CPU build lives in its own; wandb is no dependency)
+        *[
+            (f"missing-{module}", [*base, *flags], {}, q(f"{what} needs {module}, which is not installed: ") + ".*")
+            for module, flags, what in (
+                ("vllm", ["--use_vllm", "true"], "use_vllm: true"),
+                ("wandb", ["--report_to", "wandb"], "report_to: wandb"),
+            )  # fmt: skip
+            if importlib.util.find_spec(module) is None
+        ],
     ]
 
 
@@ -257,21 +268,56 @@ def test_a_cached_hub_model_runs_offline_when_the_hub_cannot_be_reached(tmp_path
     assert constants.HF_HUB_OFFLINE is True and os.environ["HF_HUB_OFFLINE"] == "1"
 
 
-def test_closed_sets_are_the_values_trl_documents():
-    """The values `exgrpo train` allows for TRL's string options with a closed set are each named in TRL's help for
-    the option, and loss_type's are every one TRL 1.16 lists."""
+def test_the_console_command_trains_a_cached_hub_model_when_the_hub_cannot_be_reached(tmp_path, toy_dir):
+    """The case the in-process test above stands for, as a user meets it: `exgrpo train` (the installed console
+    command, a fresh process) with a model named by its Hub id that is in the local cache, and a Hub endpoint where
+    nothing listens (offline mode not set). Before the check, transformers retried the Hub for 195 s before reading
+    the cached copy (one step of the toy model, load 4-6): here the run must finish within 120 s, having trained."""
+    import shutil
+
+    repo = tmp_path / "hf-home" / "hub" / "models--someorg--tiny-toy"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(toy_dir, repo / "snapshots" / commit, ignore=shutil.ignore_patterns("*.jsonl"))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    env = {**ENV, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    out = tmp_path / "out"
+    command = [str(Path(sys.executable).with_name("exgrpo")), "train", "--config", str(TINY_RECIPE),
+               "--model_name_or_path", "someorg/tiny-toy", "--dataset_name", str(toy_dir / "train.jsonl"),
+               "--output_dir", str(out), "--max_steps", "2", "--save_strategy", "no"]  # fmt: skip
+    start = time.perf_counter()
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    seconds = time.perf_counter() - start
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert seconds < 120, seconds
+    assert (out / "model.safetensors").is_file() and json.loads((out / "trainer_state.json").read_text())[
+        "global_step"
+    ] == 2
+    print(f"cached Hub model, Hub unreachable: {seconds:.1f} s")
+
+
+def test_closed_sets_are_the_values_trl_documents(tmp_path):
+    """Each closed set `exgrpo train` checks before torch loads is exactly the set of values TRL 1.16 documents for
+    the option (its help's quoted values, leaving out other options' names and `field="value"` examples): a value
+    TRL accepts can never be refused here, nor one it rejects let through. TRL also takes `True` / `False` for
+    scale_rewards (group / none), as YAML booleans in a recipe: those pass the check too."""
     from dataclasses import fields
 
     from trl import GRPOConfig
 
+    from exgrpo_trl.cli import precheck
     from exgrpo_trl.cli.train import CLOSED_SETS
 
     helps = {f.name: f.metadata["help"] for f in fields(GRPOConfig)}
     for name, values in CLOSED_SETS.items():
-        for value in values:
-            assert re.search(rf"[`']{value}[`']", helps[name]), (name, value)
-    listed = re.search(r"Supported values are (.*?)\. ", helps["loss_type"]).group(1)
-    assert set(re.findall(r"'(\w+)'", listed)) == set(CLOSED_SETS["loss_type"])
+        quoted = set(re.findall(r"(?<![=\w])[`']+(\w+)[`']+", helps[name])) - set(helps)
+        assert quoted - {"True", "False"} == set(values), (name, sorted(quoted), sorted(values))
+    assert {"True", "False"} <= set(re.findall(r"`(True|False)`", helps["scale_rewards"]))
+    for value in ("true", "false"):
+        recipe = tmp_path / f"{value}.yaml"
+        recipe.write_text(TINY_RECIPE.read_text() + f"\nscale_rewards: {value}\n")
+        argv = ["--config", str(recipe), "--model_name_or_path", str(ROOT), "--dataset_name", str(TINY_RECIPE)]
+        assert precheck.check(argv) is None, value
 
 
 def test_no_deprecation_warning_for_an_option_not_used():
@@ -643,8 +689,10 @@ def test_demo_warm_start_runs_on_one_thread(tmp_path, monkeypatch, two_threads):
 )
 def test_train_checks_the_packages_its_recipe_needs_first(tmp_path, monkeypatch, capsys, argv, message):
     """TRL finds a missing vLLM only after the model has loaded; the recipe says what the run will need, and `exgrpo
-    train` checks it with the recipe's values, before torch is imported (and before the paths: ./outputs/tiny-toy is
-    not there)."""
+    train` checks it with the recipe's values, before the paths (./outputs/tiny-toy is not there). Here in a process
+    that has torch loaded, each package made missing by hand; that the check runs before torch is imported is shown
+    in a fresh process, with the packages this environment really lacks, by the `missing-*` cases of
+    `test_value_errors_are_refused_before_torch_is_imported`."""
     from exgrpo_trl.utils import requirements
 
     monkeypatch.setattr(requirements, "missing", lambda module: module in ("vllm", "deepspeed"))
