@@ -15,6 +15,7 @@ the adapter merged into its base model.
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import inspect
 import json
@@ -536,6 +537,8 @@ def _train_in(script_args: ScriptArguments, training_args: ExGRPOConfig, model_a
         )
         vision = has_images(train_dataset.column_names)
         if vision:  # a vision-language model: its processor
+            from ..tasks import vision as _tiny_vlm  # noqa: F401 - registers the processor class save_tiny_vlm writes
+
             tokenizer = load_processor(
                 script_args.tokenizer_name_or_path or model_args.model_name_or_path,
                 revision=model_args.model_revision,
@@ -703,7 +706,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             script_args, training_args, model_args = parse_args(argv)
             output.also_to(script_args.log_file)
-            return train(script_args, training_args, model_args)
+            code = train(script_args, training_args, model_args)
+            on_cpu = training_args.use_cpu or not torch.cuda.is_available()
         except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C: where training stopped and how to go on, in one line
             if debug:
                 raise
@@ -719,6 +723,27 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             output.tell(f"exgrpo train: error: {message} (--debug shows the traceback)")
             return 1
+    end_distributed_run(on_cpu)  # a complete run of several CPU processes exits here, with 0
+    return code
+
+
+def end_distributed_run(on_cpu: bool) -> None:
+    """After a complete run of several CPU processes (`accelerate launch`), everything written: every rank waits for
+    the others, the process group is torn down, the exit handlers run (loggers finishing their runs), and the process
+    exits 0 without the rest of the interpreter's teardown. There, under DeepSpeed ZeRO-3 on CPU, one rank was seen
+    to abort ("terminate called without an active exception": a C++ communication thread destroyed while joinable)
+    after the run had saved everything, so that a complete run exited non-zero. One process, and runs on GPUs, return
+    as usual."""
+    dist = torch.distributed
+    if not on_cpu or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

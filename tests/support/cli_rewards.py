@@ -52,3 +52,10 @@ def short_completion_reward(completion_ids, **kwargs):
     """Solved when the completion ends within 6 tokens: about half of an untrained model's rollouts (as the tests'
     synthetic reward), so the advantages are not all 0 and an adapter moves away from the identity."""
     return [1.0 if EOS_ID in ids and len(ids) <= 6 else 0.0 for ids in completion_ids]
+
+
+def short_or_always_reward(completion_ids, prompts, **kwargs):
+    """`short_completion_reward`, and every completion of a question whose prompt starts with "1" solved: those
+    questions retire the first time they are trained fresh (K/K), and the sampler skips them from the next epoch."""
+    short = short_completion_reward(completion_ids)
+    return [1.0 if str(p).startswith("1") else s for p, s in zip(prompts, short)]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 
 import numpy as np
 import pytest
@@ -304,25 +303,28 @@ def test_lora_on_a_vlm_replays_with_images(tmp_path):
 
 
 def test_exgrpo_train_on_image_data(tmp_path):
-    """`exgrpo train` on a dataset with an image column: the model's processor is loaded, the images are kept with
-    their questions, replay runs, and the checkpoint's buffer holds the images."""
-    from exgrpo_trl import cli
+    """The installed `exgrpo train` command, in a fresh process (where nothing has imported exgrpo_trl.tasks.vision,
+    whose import registers the tiny model's processor class), on the folders docs/cpu.md writes: the model's
+    processor is loaded, the images are kept with their questions, replay runs, and the checkpoint's buffer holds the
+    images."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
     from exgrpo_trl.state import load_checkpoint_buffer
     from exgrpo_trl.tasks.vision import save_tiny_vlm
+    from tests.helpers import ROOT, TINY_RECIPE
 
-    model_dir = save_tiny_vlm(tmp_path / "model")
-    colour_dataset(24, seed=1).save_to_disk(str(tmp_path / "data"))
-    out = tmp_path / "out"
-    recipe = {
-        "model_name_or_path": str(model_dir), "dataset_name": str(tmp_path / "data"), "dtype": "float32",
-        "reward_funcs": ["exgrpo_trl.tasks.vision:colour_reward"], "output_dir": str(out), "max_steps": 4,
-        "per_device_train_batch_size": 16, "num_generations": 4, "max_completion_length": 12,
-        "replay_start_pass_rate": 0.0, "save_strategy": "steps", "save_steps": 4, "use_cpu": True, "bf16": False,
-        "report_to": "none", "logging_steps": 1, "loss_type": "dr_grpo", "scale_rewards": "none",
-    }  # fmt: skip
-    (tmp_path / "recipe.yaml").write_text("\n".join(f"{k}: {json.dumps(v)}" for k, v in recipe.items()) + "\n")
-    args = ["train", "--config", str(tmp_path / "recipe.yaml")]
-    assert cli.main(args) == 0
-    buffer = load_checkpoint_buffer(out / "checkpoint-4")
+    save_tiny_vlm(tmp_path / "vlm-model")
+    colour_dataset(64, seed=1).save_to_disk(str(tmp_path / "vlm-data"))
+    documented = (ROOT / "docs" / "cpu.md").read_text().split("then `exgrpo train ")[1].split("`")[0].split()
+    assert documented[:2] == ["--config", "recipes/tiny_cpu.yaml"]
+    command = [str(Path(sys.executable).with_name("exgrpo")), "train", "--config", str(TINY_RECIPE), *documented[2:],
+               "--output_dir", "out", "--max_steps", "4", "--save_steps", "4", "--logging_steps", "1"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    run = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    buffer = load_checkpoint_buffer(tmp_path / "out" / "checkpoint-4")
     assert buffer.num_questions > 0
     assert all(row_key(e.row) == key and e.row["image"] is not None for key, e in buffer.questions.items())
