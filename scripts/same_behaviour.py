@@ -211,7 +211,7 @@ def start(tree: Path, out: Path, only: list[str], work: Path) -> subprocess.Pope
         return subprocess.Popen(command, cwd=REPO, env=env, stdout=log)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("base", nargs="?", help="the commit before the change")
     p.add_argument("head", nargs="?", default=None, help="the commit after it (default: this working tree)")
@@ -219,6 +219,11 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="with --fingerprint: the JSON-lines file; else a folder for both sides' records "
                    "(kept, so that a run stopped halfway resumes)")  # fmt: skip
     p.add_argument("--fingerprint", metavar="TREE", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.fingerprint:
         run_fingerprints(Path(args.fingerprint), Path(args.out), args.only)

@@ -24,6 +24,7 @@ request, no retries). What passes is parsed again, in full, by TRL's parser, and
 from __future__ import annotations
 
 import argparse
+import csv
 import difflib
 import functools
 import json
@@ -285,6 +286,9 @@ def check_sources(values: dict[str, Any]) -> str | None:
             problem = hub_problem(what, name, repo_type)
         if problem is not None:
             return problem
+    problem = column_problem(values)
+    if problem is not None:
+        return problem
     from ..settings import missing_files
 
     problem = missing_files(values)  # ExGRPO's own files (settings.FILE_SETTINGS)
@@ -297,6 +301,47 @@ def check_sources(values: dict[str, Any]) -> str | None:
         name, sep, path = str(spec).partition("=")
         if sep and path and re.fullmatch(r"[\w.-]+", name) and not os.path.exists(os.path.expanduser(path)):
             return f"validation_dataset {spec}: no such file {path}"
+    return None
+
+
+def local_columns(path: str) -> list[str] | None:
+    """The column names of a local dataset file or folder, read without loading it (the first row of a JSON Lines
+    file, a CSV's header, a Parquet file's schema, a saved folder's features); None where that cannot be told."""
+    path = os.path.expanduser(path)
+    try:
+        if os.path.isdir(path):
+            info = Path(path) / "dataset_info.json"
+            return list(json.loads(info.read_text())["features"]) if info.is_file() else None
+        if path.endswith(".jsonl"):
+            with open(path, encoding="utf-8") as f:
+                return list(json.loads(f.readline()))
+        if path.endswith(".csv"):
+            with open(path, encoding="utf-8", newline="") as f:
+                return next(csv.reader(f))
+        if path.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            return list(pq.read_schema(path).names)
+    except (OSError, ValueError, KeyError, StopIteration, TypeError, AttributeError):
+        return None
+    return None
+
+
+def column_problem(values: dict[str, Any]) -> str | None:
+    """A column the run reads from a local dataset that the dataset does not have: the offline solutions' column
+    (kept by itself, so never listed in keep_columns) and keep_columns, in one line with the real columns."""
+    name = values.get("dataset_name")
+    columns = local_columns(name) if isinstance(name, str) and name else None
+    if columns is None:
+        return None
+    shown = ", ".join(columns)
+    offline = values.get("offline_solutions_column")
+    if isinstance(offline, str) and offline and offline.lower() not in ("none", "null") and offline not in columns:
+        return f"offline_solutions_column {offline!r} is not a column of {name} (its columns: {shown})"
+    keep = values.get("keep_columns")
+    for column in keep if isinstance(keep, list) else []:
+        if column not in columns and column not in ("prompt", "answer"):
+            return f"keep_columns lists {column!r}, which is not a column of {name} (its columns: {shown})"
     return None
 
 

@@ -527,7 +527,8 @@ def _train_in(script_args: ScriptArguments, training_args: ExGRPOConfig, model_a
         question_column=script_args.question_column,
         answer_column=script_args.answer_column,
         system_prompt=script_args.system_prompt,
-        keep_columns=data_columns(script_args.keep_columns, training_args),
+        keep_columns=script_args.keep_columns,  # and the offline solutions' column, named by its own option
+        offline_columns=data_columns(script_args.keep_columns, training_args)[len(script_args.keep_columns) :],
         num_proc=script_args.dataset_num_proc,
     )
     # Rank 0 prepares (and caches) the data first; the other ranks then read the cache.

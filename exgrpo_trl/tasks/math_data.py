@@ -107,9 +107,11 @@ def to_math_prompts(
     answer_column: str | None = None,
     system_prompt: str | None = None,
     keep_columns: Sequence[str] = (),
+    offline_columns: Sequence[str] = (),
     num_proc: int | None = None,
 ) -> Dataset:
-    """Map a dataset to ``prompt`` + ``answer`` (+ `keep_columns`), dropping every other column.
+    """Map a dataset to ``prompt`` + ``answer`` (+ `keep_columns`, + `offline_columns`: the offline solutions'
+    column, kept as keep_columns are but named by `offline_solutions_column`), dropping every other column.
 
     Prompt:
       - `question_column` given: the paper's two messages built from it (`system_prompt`, default
@@ -159,6 +161,10 @@ def to_math_prompts(
             )
         mode, source = "question", found[0]
 
+    for column in offline_columns:
+        if column not in columns:
+            raise _missing(dataset, "offline solutions", column, "Set offline_solutions_column to one of them.")
+    keep_columns = [*keep_columns, *(c for c in offline_columns if c not in keep_columns)]
     for column in keep_columns:
         if column in PRODUCED_COLUMNS:
             raise ValueError(f"keep_columns lists {column!r}, which is always produced: remove it from keep_columns.")
@@ -204,6 +210,7 @@ def load_math_dataset(
     answer_column: str | None = None,
     system_prompt: str | None = None,
     keep_columns: Sequence[str] = (),
+    offline_columns: Sequence[str] = (),
     num_proc: int | None = None,
 ) -> Dataset:
     """`load_raw_dataset` then `to_math_prompts`: OpenR1-Math-46k by default, any question/answer set otherwise."""
@@ -214,6 +221,7 @@ def load_math_dataset(
         answer_column=answer_column,
         system_prompt=system_prompt,
         keep_columns=keep_columns,
+        offline_columns=offline_columns,
         num_proc=num_proc,
     )
 

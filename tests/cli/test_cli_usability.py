@@ -218,6 +218,24 @@ def _refusal_cases(tmp_path: Path, toy_dir: Path) -> list[tuple[str, list[str], 
             unreachable,
             q(on_the_hub + "the Hub (http://127.0.0.1:9) cannot be reached (") + ".+" + q(") with no copy") + ".*",
         ),
+        (
+            "offline-column",
+            [*base, "--offline_solutions_column", "nosuch"],
+            {},
+            q(
+                f"offline_solutions_column 'nosuch' is not a column of {toy_dir / 'train.jsonl'} "
+                "(its columns: prompt, answer, digits)"
+            ),
+        ),
+        (
+            "kept-column",
+            [*base, "--keep_columns", "level"],
+            {},
+            q(
+                f"keep_columns lists 'level', which is not a column of {toy_dir / 'train.jsonl'} "
+                "(its columns: prompt, answer, digits)"
+            ),
+        ),
         # packages this environment really lacks (vLLM's CPU build lives in its own; wandb is no dependency)
         *[
             (f"missing-{module}", [*base, *flags], {}, q(f"{what} needs {module}, which is not installed: ") + ".*")

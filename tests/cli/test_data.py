@@ -185,3 +185,17 @@ def test_the_progress_bar_says_what_the_map_does(monkeypatch):
     to_math_prompts(Dataset.from_dict({"prompt": ["37+48="], "answer": ["85"]}))
     to_math_prompts(Dataset.from_dict({"problem": ["What is 2+2?"], "answer": ["4"]}))
     assert seen == ["prompt and answer columns", "questions -> math prompts"]
+
+
+def test_a_missing_offline_solutions_column_is_named_as_such():
+    """The offline solutions' column is kept by itself (no keep_columns entry): a dataset without it is told so, with
+    its columns, and not told to edit keep_columns (which the user never set)."""
+    toy = Dataset.from_dict({"prompt": ["1+1="], "answer": ["2"], "digits": [1]})
+    with pytest.raises(ValueError) as info:
+        to_math_prompts(toy, offline_columns=["nosuch"])
+    assert str(info.value) == (
+        "the dataset has no offline solutions column 'nosuch'; its columns are ['prompt', 'answer', 'digits']. Set "
+        "offline_solutions_column to one of them."
+    )
+    kept = to_math_prompts(toy.add_column("solution", [["2"]]), keep_columns=["digits"], offline_columns=["solution"])
+    assert sorted(kept.column_names) == ["answer", "digits", "prompt", "solution"]
