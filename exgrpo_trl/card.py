@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from .settings import card_rows
@@ -68,3 +69,33 @@ def fix_local_references(card_text: str, *, base_model: str | None, local_datase
             DATASET_SENTENCE_END, f" on the local dataset `{local_dataset}`{DATASET_SENTENCE_END}", 1
         )
     return card_text.replace(NO_HUB_MODEL, f'model="{output_dir}"')
+
+
+# TRL's card template (TRL 1.16) shows a chat question for any model; a model trained on other prompts (the toy
+# task's "37+48=", a chat template the question does not fit) is better shown with one of its own training prompts.
+TRL_QUESTION = (
+    'question = "If you had a time machine, but could only go to the past or the future once and never return, which '
+    'would you choose and why?"'
+)
+TRL_CALL = 'output = generator([{"role": "user", "content": question}], max_new_tokens=128, return_full_text=False)[0]'
+
+
+def fix_quick_start(card_text: str, prompt: Any, max_new_tokens: int) -> str:
+    """The card's usage snippet with `prompt` (a training row's prompt: a string, or chat messages) in place of
+    TRL's generic question, and the run's completion length; unchanged when the card has no such snippet or the
+    prompt is neither (a vision-language prompt keeps TRL's example)."""
+    if TRL_QUESTION not in card_text or TRL_CALL not in card_text:
+        return card_text
+    if isinstance(prompt, str):
+        name = "prompt"
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in prompt)
+    ):
+        name = "messages"
+    else:
+        return card_text
+    call = f"output = generator({name}, max_new_tokens={max_new_tokens}, return_full_text=False)[0]"
+    first = f"{name} = {json.dumps(prompt, ensure_ascii=False)}  # a prompt of the training data"
+    return card_text.replace(TRL_QUESTION, first).replace(TRL_CALL, call)

@@ -19,7 +19,7 @@ from trl.data_utils import prepare_multimodal_messages
 from trl.models.utils import disable_gradient_checkpointing
 
 from .buffer import row_images
-from .card import add_section, exgrpo_card_section, fix_local_references
+from .card import add_section, exgrpo_card_section, fix_local_references, fix_quick_start
 from .checkpoints import remove_state_leftovers, rotate_checkpoints
 from .checks import check_arguments, check_built
 from .compat import own_key_names, quiet_checkpointing_deprecation, swapped
@@ -407,6 +407,9 @@ class ExGRPOTrainer(GRPOTrainer):
             local_dataset=local_dataset,
             output_dir=self.args.output_dir,
         )
+        dataset = self.train_dataset  # its first prompt in the usage snippet (an iterable dataset has no first row)
+        if "prompt" in (getattr(dataset, "column_names", None) or []) and hasattr(dataset, "__len__") and len(dataset):
+            card = fix_quick_start(card, dataset[0]["prompt"], self.max_completion_length)
         with open(path, "w", encoding="utf-8") as f:
             f.write(add_section(card, section))
 

@@ -178,8 +178,27 @@ def check(argv: list[str], before_run: bool = False) -> str | None:
     values = _values(argv, loaded, options)
     mistake = value_problem(values, table["choices"])
     if mistake is None and before_run:
-        mistake = package_problem(values) or reward_problem(values, find_module=True) or check_sources(values)
+        mistake = (
+            package_problem(values) or reward_problem(values, find_module=True) or push_problem(values)
+            or check_sources(values)
+        )  # fmt: skip
     return mistake
+
+
+def push_problem(values: dict[str, Any]) -> str | None:
+    """With push_to_hub on, a Hub the end of the run could not push to: offline mode, or no answer to one request
+    (transformers found out only at the end, or, with the first checkpoint's push, after its retries)."""
+    if values.get("push_to_hub") is not True:
+        return None
+    from huggingface_hub import constants
+
+    fix = "train without push_to_hub and upload the output folder later (huggingface-cli upload)"
+    if _offline("model"):
+        return f"push_to_hub: offline mode is on (HF_HUB_OFFLINE=1), so nothing can be pushed: {fix}"
+    reason = hub_unreachable(constants.ENDPOINT)
+    if reason is not None:
+        return f"push_to_hub: the Hub ({constants.ENDPOINT}) cannot be reached ({reason}): {fix}"
+    return None
 
 
 def package_problem(values: dict[str, Any]) -> str | None:

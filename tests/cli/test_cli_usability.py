@@ -236,6 +236,23 @@ def _refusal_cases(tmp_path: Path, toy_dir: Path) -> list[tuple[str, list[str], 
                 "(its columns: prompt, answer, digits)"
             ),
         ),
+        (
+            "push-unreachable",
+            [*base, "--push_to_hub", "--hub_model_id", "someorg/tiny-run"],
+            {"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"},
+            q("push_to_hub: the Hub (http://127.0.0.1:9) cannot be reached (")
+            + ".+"
+            + q("): train without push_to_hub and upload the output folder later (huggingface-cli upload)"),
+        ),
+        (
+            "push-offline",
+            [*base, "--push_to_hub", "true", "--hub_model_id", "someorg/tiny-run"],
+            {"HF_HUB_OFFLINE": "1"},
+            q(
+                "push_to_hub: offline mode is on (HF_HUB_OFFLINE=1), so nothing can be pushed: train without "
+                "push_to_hub and upload the output folder later (huggingface-cli upload)"
+            ),
+        ),
         # packages this environment really lacks (vLLM's CPU build lives in its own; wandb is no dependency)
         *[
             (f"missing-{module}", [*base, *flags], {}, q(f"{what} needs {module}, which is not installed: ") + ".*")

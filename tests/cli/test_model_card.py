@@ -254,3 +254,26 @@ def test_every_setting_set_away_from_its_default_is_on_the_card():
         value = _another_value(f)
         card = exgrpo_card_section(_args(**{f.name: value}), state, 0)
         assert f"| {CARD_LABELS[f.name]} | {value} |" in card, f.name
+
+
+def test_card_usage_snippet_shows_a_training_prompt(card_run):
+    """TRL's template shows every model a chat question about a time machine; the card shows the run's first training
+    prompt (the synthetic task's "0+0=") and its completion length (max_completion_length 12) instead."""
+    trainer, text = card_run
+    assert trainer.train_dataset[0]["prompt"] == "0+0="
+    assert "time machine" not in text
+    assert 'prompt = "0+0="  # a prompt of the training data\n' in text
+    assert "output = generator(prompt, max_new_tokens=12, return_full_text=False)[0]" in text
+
+
+def test_a_chat_prompt_goes_into_the_snippet_as_messages():
+    from exgrpo_trl.card import TRL_CALL, TRL_QUESTION, fix_quick_start
+
+    card = f"```python\n{TRL_QUESTION}\n{TRL_CALL}\n```\n"
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    assert fix_quick_start(card, messages, 64) == (
+        '```python\nmessages = [{"role": "user", "content": "What is 2+2?"}]  # a prompt of the training data\n'
+        "output = generator(messages, max_new_tokens=64, return_full_text=False)[0]\n```\n"
+    )
+    images = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
+    assert fix_quick_start(card, images, 64) == card  # a vision-language prompt: TRL's example stays

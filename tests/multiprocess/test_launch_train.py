@@ -106,6 +106,8 @@ def test_exgrpo_train_resumed_by_a_fresh_launch_ends_as_the_straight_run(tmp_pat
     assert code == 0, tail
     assert f"Resuming from checkpoint {resumed / 'checkpoint-10'}" in (tmp_path / "resumed.log").read_text()
     assert "exgrpo train: done at step 12." in tail
+    for log in ("straight.log", "resumed.log"):  # the CPU recipe turns off DDP's search for unused parameters
+        assert "find_unused_parameters=True was specified" not in (tmp_path / log).read_text(), log
     # the epoch the resume landed in skipped the questions retired before it, as the straight run's did
     retired = read_meta(straight / "checkpoint-10")["buffer"]["retired"]
     assert retired, "no question retired before checkpoint-10: the case is not the one this test is about"
