@@ -17,6 +17,7 @@ import argparse
 import sys
 
 from ..state import STATE_DIRNAME, StateFileError, checkpoint_folder
+from .diskfull import told_when_full
 from .inspect import _missing_state_hint
 
 
@@ -50,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         if not checkpoint.is_dir() or not (checkpoint / STATE_DIRNAME).is_dir():
             raise StateFileError(f"no ExGRPO state to export: {_missing_state_hint(checkpoint)}")
         tokenizer = checkpoint_tokenizer(checkpoint, args.tokenizer)
-        dataset = export_checkpoint(checkpoint, args.out, tokenizer=tokenizer, parquet=args.parquet)
+        with told_when_full(args.out, f"the export to {args.out}", lambda: "run the same command again"):
+            dataset = export_checkpoint(checkpoint, args.out, tokenizer=tokenizer, parquet=args.parquet)
     except (StateFileError, ExportError, ValueError, OSError) as e:
         print(f"exgrpo export: {' '.join(str(e).split())}", file=sys.stderr)
         return 1

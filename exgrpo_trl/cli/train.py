@@ -36,7 +36,7 @@ from trl import GRPOConfig, ModelConfig, TrlParser, get_peft_config, get_quantiz
 from trl import ScriptArguments as TrlScriptArguments
 
 from ..buffer import has_images
-from ..checkpoints import checkpoint_step, resolve_checkpoint
+from ..checkpoints import checkpoint_step, find_resumable_checkpoint, resolve_checkpoint
 from ..config import ExGRPOConfig
 from ..offline import offline_columns
 from ..reporting import require_loggers
@@ -48,6 +48,7 @@ from ..utils.requirements import require
 from ..utils.threads import limit_cpu_threads
 from ..utils.tokenizer import load_processor, load_tokenizer
 from . import precheck
+from .diskfull import DiskFull, told_when_full
 from .interrupt import Interrupted, StopOnInterrupt
 from .output import surviving_output
 
@@ -707,7 +708,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             script_args, training_args, model_args = parse_args(argv)
             output.also_to(script_args.log_file)
-            code = train(script_args, training_args, model_args)
+            out = training_args.output_dir
+            with told_when_full(out, f"into {out}", lambda: resume_hint(out)):
+                code = train(script_args, training_args, model_args)
             on_cpu = training_args.use_cpu or not torch.cuda.is_available()
         except (Interrupted, KeyboardInterrupt) as e:  # Ctrl-C: where training stopped and how to go on, in one line
             if debug:
@@ -722,10 +725,19 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(e, UsageError):
                 output.tell(f"exgrpo train: error: {message}")
                 return 2
-            output.tell(f"exgrpo train: error: {message} (--debug shows the traceback)")
+            after_progress = "\n" if isinstance(e, DiskFull) else ""  # a progress bar may hold the line
+            output.tell(f"{after_progress}exgrpo train: error: {message} (--debug shows the traceback)")
             return 1
     end_distributed_run(on_cpu)  # a complete run of several CPU processes exits here, with 0
     return code
+
+
+def resume_hint(output_dir: str) -> str:
+    """What running the same command again does, from the checkpoints complete in `output_dir`."""
+    checkpoint, _ = find_resumable_checkpoint(output_dir)
+    if checkpoint is None:
+        return "run the same command again (no complete checkpoint was saved yet: it starts from step 0)"
+    return f"run the same command again to resume from the newest complete checkpoint, {checkpoint}"
 
 
 def end_distributed_run(on_cpu: bool) -> None:

@@ -59,3 +59,22 @@ def short_or_always_reward(completion_ids, prompts, **kwargs):
     questions retire the first time they are trained fresh (K/K), and the sampler skips them from the next epoch."""
     short = short_completion_reward(completion_ids)
     return [1.0 if str(p).startswith("1") else s for p, s in zip(prompts, short)]
+
+
+def filling_reward(completions, answer, **kwargs):
+    """The toy reward; on call EXGRPO_TEST_FILL_AT it fills the filesystem of the folder EXGRPO_TEST_FILL_DIR with a
+    file `filler` until EXGRPO_TEST_FILL_LEAVE bytes are left (default 0): the next save finds the disk full."""
+    global _calls
+    _calls += 1
+    if _calls == int(os.environ.get("EXGRPO_TEST_FILL_AT", "0")):
+        folder = os.environ["EXGRPO_TEST_FILL_DIR"]
+        leave = int(os.environ.get("EXGRPO_TEST_FILL_LEAVE", "0"))
+        with open(os.path.join(folder, "filler"), "wb") as f:
+            chunk = b"\0" * (1 << 16)
+            while (free := os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize) > leave:
+                try:
+                    f.write(chunk[: max(1, min(len(chunk), free - leave))])
+                    f.flush()
+                except OSError:
+                    break
+    return addition_reward(completions, answer, **kwargs)
