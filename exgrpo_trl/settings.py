@@ -184,6 +184,16 @@ class ExGRPOSettings:
         },
     )
 
+    vllm_server_request_timeout: float = field(
+        default=1800.0,
+        metadata={
+            "help": "Server mode (use_vllm, vllm_mode='server'): the longest, in seconds, any request to the vLLM "
+            "server may go unanswered before the run stops with one line naming the server and its address (a "
+            "server that stops answering without dying). A killed server is told after TRL's own 5 connection "
+            "retries, about a minute. Set it above your longest generation batch: the default is 30 minutes."
+        },
+    )
+
     def __post_init__(self):
         self.validate()
 
@@ -269,6 +279,9 @@ _CHECKS: dict[str, Any] = {
         None if v is None or (isinstance(v, str) and v) else f"must be a column name or None, got {v!r}."
     ),
     "initial_experience": _path_or_none,
+    "vllm_server_request_timeout": lambda v: (
+        None if isinstance(v, (int, float)) and 0 < v < math.inf else f"must be a number of seconds > 0, got {v!r}."
+    ),
 }
 
 
@@ -313,6 +326,7 @@ CARD_LABELS = {
     "replay_stored_trajectory": "stored trajectory in a replayed group (False: K fresh rollouts)",
     "remove_clip_after_replay_start": "PPO clip removed on fresh tokens once replay starts",
     "initial_experience": "buffer seeded from (initial_experience)",
+    "vllm_server_request_timeout": "longest wait for the vLLM server (seconds)",
 }
 CARD_ALWAYS = tuple(list(CARD_LABELS)[:12])  # the main settings, shown whatever their value
 # The experience buffer's sampling settings (`sampling_settings`) -> the key its saved state keeps each under.

@@ -20,7 +20,7 @@ from trl.models.utils import disable_gradient_checkpointing
 
 from .buffer import row_images
 from .card import add_section, exgrpo_card_section, fix_local_references, fix_quick_start
-from .checkpoints import remove_state_leftovers, rotate_checkpoints
+from .checkpoints import find_resumable_checkpoint, remove_state_leftovers, rotate_checkpoints
 from .checks import check_arguments, check_built
 from .compat import own_key_names, quiet_checkpointing_deprecation, swapped
 from .experience import METRIC_PREFIX, ExGRPOState, Messages, Ranks
@@ -28,6 +28,7 @@ from .export import tokenizer_fingerprint
 from .replay import merge_spliced, splice_rollout
 from .run import BatchKey, ExGRPORun, GenerationBatch, Rollouts
 from .scoring import EntropyScorer, image_inputs
+from .vllm_server import guard_client
 
 __all__ = [
     "METRIC_PREFIX", "REPLAYED_COLUMN", "BatchKey", "ExGRPOTrainer", "GenerationBatch", "finish_pending_push",
@@ -45,6 +46,13 @@ GENERATED_ROWS = (
     "stored trajectory and are not sampled: a replayed group generates K - 1 rows); a generate that returns a fixed "
     "number of rows, such as a test's mock, cannot serve replay: return one completion per prompt row it is given"
 )
+
+
+def _server_hint(output_dir: str) -> str:
+    """What to do once the vLLM server is gone: start it again, then run on from the newest complete checkpoint."""
+    checkpoint, _ = find_resumable_checkpoint(output_dir)
+    where = f"the newest complete checkpoint, {checkpoint}" if checkpoint else "step 0 (no complete checkpoint yet)"
+    return f"start the server again, then run the same command (`exgrpo train` resumes from {where})"
 
 
 def save_without_push(trainer, output_dir: str) -> None:
@@ -159,6 +167,10 @@ class ExGRPOTrainer(GRPOTrainer):
             steps_per_generation=self.args.steps_per_generation,
         )
         self.exgrpo_run = ExGRPORun(self.exgrpo_state, rollouts, self._metrics["train"])
+        client = getattr(getattr(self, "vllm_generation", None), "vllm_client", None)  # server mode, main process
+        if self.use_vllm and self.vllm_mode == "server" and client is not None:
+            output_dir = self.args.output_dir
+            guard_client(client, self.args.vllm_server_request_timeout, lambda: _server_hint(output_dir))
         self.exgrpo_state.seed_buffer(
             fingerprint=tokenizer_fingerprint(self._tokenizer),
             tokenize=self._exgrpo_tokenize_completion,

@@ -17,11 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,10 +26,10 @@ import pytest
 import torch
 
 from exgrpo_trl.trainer import BatchKey
-from tests.helpers import make_reward, make_trainer, synthetic_dataset, tiny_config
+from tests.helpers import make_reward, make_trainer, synthetic_dataset
 
 from . import cpu_weight_sync
-from .helpers import vllm_env
+from .helpers import _free_port, build_model_dir, trl_vllm_serve, vllm_env
 
 pytestmark = [
     pytest.mark.vllm,
@@ -42,39 +38,14 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:OMP_NUM_THREADS/MKL_NUM_THREADS unset:UserWarning"),  # accelerate, use_cpu
 ]
 
-REPO = Path(__file__).resolve().parents[2]
 K = 8  # generations per prompt
 GROUPS = 4  # per generation batch
 MAX_STEPS = 4  # one generation batch per optimizer step: syncs after steps 0..3
-SERVER_START_TIMEOUT = 300.0
 LOGPROB_TOL = 2e-5  # |vLLM - trained model| per token: float32 both sides gives ~5e-7, bfloat16 vLLM 1e-3 to 7e-3
 FIXED_TEXT = "12+34=46"  # + <eos>: the sequence whose log-probs are compared after every weight sync
 
 
 # ---------------------------------------------------------------------------------------------------- model
-def build_model_dir(path: Path) -> str:
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    from exgrpo_trl.tasks.toy import build_char_tokenizer
-
-    tokenizer = build_char_tokenizer(save_dir=path)
-    ids = {
-        "pad_token_id": tokenizer.pad_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "bos_token_id": tokenizer.bos_token_id,
-    }
-    # tied embeddings exercise the tied-embedding repack of the CPU weight-sync glue
-    config = tiny_config(LlamaConfig, tokenizer, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         head_dim=64, tie_word_embeddings=True)  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).to(torch.float32)
-    model.config.dtype = torch.float32
-    model.generation_config = GenerationConfig(**ids)
-    model.save_pretrained(str(path))
-    return str(path)
-
-
 def _fixed_ids(tokenizer) -> list[int]:
     return tokenizer(FIXED_TEXT)["input_ids"] + [tokenizer.eos_token_id]
 
@@ -154,86 +125,6 @@ def instrument(trainer, fixed_ids: list[int]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- environment
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def trl_vllm_serve(model_dir: str, work: Path, env: dict[str, str]):
-    """Run `trl vllm-serve` on 127.0.0.1 and a free port; yield its base URL; stop it by its PID."""
-    import requests
-
-    port = _free_port()
-    trl_cli = Path(sys.executable).with_name("trl")
-    command = [
-        str(trl_cli), "vllm-serve",
-        "--model", model_dir,
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--dtype", "float32",
-        "--enforce_eager", "true",
-        "--max_model_len", "64",
-        "--log_level", "warning",
-        # forwarded by `trl vllm-serve` to `vllm serve`: the worker side of the CPU weight-sync glue
-        "--worker-extension-cls", "tests.vllm.worker_extension.SafetensorsWeightSync",
-    ]  # fmt: skip
-    server_env = {**os.environ, **env}
-    server_env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    log_path = work / "vllm-serve.log"
-
-    def log_tail() -> str:
-        return log_path.read_text(errors="replace")[-6000:]
-
-    base_url = f"http://127.0.0.1:{port}"
-    started = time.monotonic()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, cwd=REPO, env=server_env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"`trl vllm-serve` exited with {proc.returncode} before serving:\n{log_tail()}")
-                try:
-                    if requests.get(f"{base_url}/health", timeout=2).status_code == 200:
-                        break
-                except requests.RequestException:
-                    pass
-                if time.monotonic() - started > SERVER_START_TIMEOUT:
-                    raise RuntimeError(
-                        f"`trl vllm-serve` not healthy after {SERVER_START_TIMEOUT:.0f} s:\n{log_tail()}"
-                    )
-                time.sleep(1.0)
-            yield base_url
-        finally:
-            _stop_by_pid(proc)
-
-
-def _stop_by_pid(proc: subprocess.Popen) -> None:
-    """`trl vllm-serve` execs into vLLM's API server, so `proc.pid` is the server, and its engine-core child follows it
-    down on SIGTERM. Any descendant still alive after that is stopped by its own PID."""
-    import psutil
-
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        children = []
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-    for child in children:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.terminate()
-    _, alive = psutil.wait_procs(children, timeout=30)
-    for child in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
-
-
 def _float32_llm(monkeypatch) -> None:
     """TRL's colocate mode passes no dtype: make its `vllm.LLM(...)` float32 (and eager, to start faster)."""
     from trl.generation import vllm_generation
