@@ -5,10 +5,10 @@ TRL 1.16's `VLLMClient` sends every request through one `requests` session with 
 connection 5 times (backoff 2-32 s) and a failed read 5 times: a server killed mid-run is found after about a minute
 and reported as a `MaxRetryError` traceback; a server that stops answering without dying (SIGSTOP, a hung worker)
 leaves the request waiting forever, and with it every other rank, blocked in the collective that waits for the
-main process's completions. `guard_client` mounts an adapter on that session which keeps TRL's retries of a
-connection but gives every request a read timeout (`vllm_server_request_timeout`, no read retry: a request
-unanswered that long is not answered by sending it again) and turns a failure into `VLLMServerError`, one line that
-names the server and its address and says how to go on. The main process then exits, and `accelerate launch` stops
+main process's completions. `guard_client` mounts an adapter on that session which keeps TRL's retries but gives
+every request a read timeout (`vllm_server_request_timeout`) after which it is not sent again (a request unanswered
+that long is not answered by sending it again), and turns a failure into `VLLMServerError`, one line that names the
+server and its address and says how to go on. The main process then exits, and `accelerate launch` stops
 the other ranks.
 """
 
@@ -30,9 +30,23 @@ def guard_client(client, read_timeout: float, then: Callable[[], str]) -> None:
     user does next (start the server again, rerun the command), said after what happened."""
     import requests
     from requests.adapters import HTTPAdapter
+    from urllib3.exceptions import MaxRetryError, ReadTimeoutError
+    from urllib3.util.retry import Retry
+
+    class NoRetryAfterTimeout(Retry):
+        """TRL's retries (a refused or reset connection, a 5xx), except a read that timed out: not sent again."""
+
+        def increment(self, method=None, url=None, response=None, error=None, _pool=None, _stacktrace=None):
+            if isinstance(error, ReadTimeoutError):
+                raise MaxRetryError(_pool, url, error) from error
+            return super().increment(method, url, response, error, _pool, _stacktrace)
 
     old = client.session.get_adapter(client.base_url)
-    retries = old.max_retries.new(read=0)  # TRL's connection retries; a read that timed out is not sent again
+    r = old.max_retries
+    retries = NoRetryAfterTimeout(
+        total=r.total, connect=r.connect, read=r.read, status=r.status, status_forcelist=r.status_forcelist,
+        backoff_factor=r.backoff_factor, allowed_methods=r.allowed_methods,
+    )  # fmt: skip
 
     class Guarded(HTTPAdapter):
         def send(self, request, **kwargs):
@@ -41,15 +55,13 @@ def guard_client(client, read_timeout: float, then: Callable[[], str]) -> None:
             path = urlparse(request.url).path or "/"
             try:
                 return super().send(request, **kwargs)
-            except requests.exceptions.ConnectionError as error:  # ReadTimeout too; with no read retry, urllib3's
-                if _timed_out(error):  # MaxRetryError over a ReadTimeoutError arrives as a ConnectionError
+            except requests.exceptions.ConnectionError as error:  # ReadTimeout too; urllib3's MaxRetryError over
+                if _timed_out(error):  # a ReadTimeoutError arrives as a ConnectionError
                     what = (
                         f"stopped answering (no answer to {path} in {read_timeout:g} s, vllm_server_request_timeout)"
                     )
                 else:
-                    what = (
-                        f"cannot be reached (a request to {path} failed {retries.total + 1} times: {_reason(error)})"
-                    )
+                    what = f"cannot be reached (a request to {path} failed, retried as TRL retries: {_reason(error)})"
                 raise VLLMServerError(_line(client.base_url, what, then)) from error
 
     adapter = Guarded(max_retries=retries, pool_maxsize=getattr(old, "_pool_maxsize", 10))

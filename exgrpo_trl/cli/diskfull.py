@@ -43,8 +43,9 @@ def _size(n: int) -> str:
 
 def disk_problem(error: BaseException, folder: str | os.PathLike) -> str | None:
     """Why writing into `folder` failed, when `error` (or an exception it was raised from) says the disk is full, a
-    quota is used up or the filesystem is read-only, or was raised while the filesystem holding `folder` has less
-    than `NEARLY_FULL` free; None otherwise."""
+    quota is used up or the filesystem is read-only (by its errno or, for a writer that keeps only the message, its
+    words), or is a write error (OSError, RuntimeError) raised while the filesystem holding `folder` has less than
+    `NEARLY_FULL` free; None otherwise."""
     reason, seen = None, set()
     stack = [error]
     while stack and reason is None:
@@ -60,12 +61,15 @@ def disk_problem(error: BaseException, folder: str | os.PathLike) -> str | None:
         free = shutil.disk_usage(_existing(folder)).free
     except OSError:
         free = None
-    if reason is None and ("No space left on device" in str(error) or (free is not None and free < NEARLY_FULL)):
-        reason = REASONS[errno.ENOSPC]  # a writer that keeps only the message (safetensors), or none (torch)
+    if reason is None and "No space left on device" in str(error):  # a writer that keeps only the message
+        reason = REASONS[errno.ENOSPC]
+    nearly_full = free is not None and free < NEARLY_FULL
+    if reason is None and isinstance(error, (OSError, RuntimeError)) and nearly_full:  # torch's: neither
+        reason = REASONS[errno.ENOSPC]
     if reason is None:
         return None
     left = f", {_size(free)} free there" if free is not None and reason != REASONS[errno.EROFS] else ""
-    return f"{reason} ({_existing(folder)}{left})"
+    return f"{reason} ({Path(folder).expanduser()}{left})"
 
 
 @contextlib.contextmanager

@@ -104,3 +104,28 @@ def test_a_full_disk_during_export_is_one_line(tmp_path, small_disk, small_toy_d
         f"exgrpo export: could not write the export to {small_disk / 'x'}: no space left on the disk"
     )
     assert line.endswith("free some space, then run the same command again"), line
+
+
+def test_what_counts_as_a_full_disk(tmp_path):
+    """By the errno anywhere in the chain, by safetensors' words, or a write error on a filesystem with under 1 MB
+    free; a Ctrl-C or any other error on a roomy disk is not one."""
+    import errno
+
+    from exgrpo_trl.cli.diskfull import disk_problem
+    from exgrpo_trl.cli.interrupt import Interrupted
+
+    try:
+        try:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded", str(tmp_path / "f"))
+        except OSError as inner:
+            raise RuntimeError("save failed") from inner
+    except RuntimeError as outer:
+        assert disk_problem(outer, tmp_path).startswith(f"the disk quota is used up ({tmp_path / 'f'}, ")
+    assert disk_problem(OSError(errno.EROFS, "Read-only file system"), tmp_path) == (
+        f"the filesystem is read-only ({tmp_path})"
+    )
+    assert disk_problem(Exception("I/O error: No space left on device (os error 28)"), tmp_path).startswith(
+        "no space left on the disk ("
+    )
+    assert disk_problem(RuntimeError("unexpected pos 3703616 vs 3703508"), tmp_path) is None  # a roomy disk
+    assert disk_problem(Interrupted(3, 8, str(tmp_path)), tmp_path) is None
