@@ -49,3 +49,22 @@ def own_key_names(model):
         yield
     finally:
         del model.save_pretrained
+
+
+@contextlib.contextmanager
+def plain_cpu_map_location():
+    """Within the block `torch.load` maps an indexed CPU device (``cpu:1``) to plain ``"cpu"``: transformers 5.17 (the
+    newest the CPU build of vLLM allows) loads the optimizer state of a run of several processes onto `args.device`,
+    which on CPU ranks carries an index torch cannot restore to ("don't know how to restore data location"), so that
+    no such run could resume. A GPU device, or any other map, passes as it is."""
+    import torch
+
+    real = torch.load
+
+    def load(*args, map_location=None, **kwargs):
+        if str(map_location).startswith("cpu:"):  # a torch.device("cpu", 1) or the text "cpu:1"
+            map_location = "cpu"
+        return real(*args, map_location=map_location, **kwargs)
+
+    with swapped(torch, load=load):
+        yield

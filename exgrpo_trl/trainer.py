@@ -22,7 +22,7 @@ from .buffer import row_images
 from .card import add_section, exgrpo_card_section, fix_local_references, fix_quick_start
 from .checkpoints import find_resumable_checkpoint, remove_state_leftovers, rotate_checkpoints
 from .checks import check_arguments, check_built
-from .compat import own_key_names, quiet_checkpointing_deprecation, swapped
+from .compat import own_key_names, plain_cpu_map_location, quiet_checkpointing_deprecation, swapped
 from .experience import METRIC_PREFIX, ExGRPOState, Messages, Ranks
 from .export import tokenizer_fingerprint
 from .replay import merge_spliced, splice_rollout
@@ -437,7 +437,8 @@ class ExGRPOTrainer(GRPOTrainer):
         return super()._issue_warnings_after_load(load_result._replace(missing_keys=missing))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)  # under DeepSpeed it returns early; we still run
+        with plain_cpu_map_location():  # transformers 5.17 on several CPU processes (compat.plain_cpu_map_location)
+            super()._load_optimizer_and_scheduler(checkpoint)  # under DeepSpeed it returns early; we still run
         if checkpoint is not None and self.exgrpo_state is not None:
             args = self.args  # optimizer updates per generation batch: for states stamped with the optimizer step
             updates = args.steps_per_generation * args.num_iterations / args.gradient_accumulation_steps

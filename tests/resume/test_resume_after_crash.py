@@ -365,3 +365,22 @@ def test_resume_from_checkpoint_values(tmp_path, complete_checkpoint, caplog):
         resolve_checkpoint(parse_args(["--config", str(TINY_RECIPE), "--output_dir", str(tmp_path / "new")])[1])
         is None
     )
+
+
+def test_an_indexed_cpu_device_loads_as_the_cpu(tmp_path):
+    """transformers 5.17 (the vLLM environment's) loads a multi-process run's optimizer state onto args.device, on
+    CPU ranks an indexed one that torch cannot restore to; the trainer's resume loads it onto the CPU instead."""
+    import pytest
+    import torch
+
+    from exgrpo_trl.compat import plain_cpu_map_location
+
+    path = tmp_path / "optimizer.pt"
+    torch.save({"state": torch.arange(3.0)}, path)
+    with pytest.raises(RuntimeError, match="don't know how to restore data location"):
+        torch.load(path, map_location=torch.device("cpu", 1), weights_only=True)
+    with plain_cpu_map_location():
+        loaded = torch.load(path, map_location=torch.device("cpu", 1), weights_only=True)
+        assert torch.equal(loaded["state"], torch.arange(3.0))
+        assert torch.load(path, map_location="cpu:1", weights_only=True)["state"].tolist() == [0.0, 1.0, 2.0]
+    assert torch.load is not None and "plain_cpu" not in getattr(torch.load, "__qualname__", "")  # put back
