@@ -53,6 +53,7 @@ def test_every_field_has_help():
         "offline_solutions_column",
         "offline_guidance",
         "initial_experience",
+        "vllm_server_request_timeout",
     }
     for f in fields(ExGRPOConfig):
         if f.name in own:
