@@ -379,12 +379,15 @@ def reporting_errors(func: Callable) -> Callable:
 
 
 def data_columns(keep_columns: list[str], training_args: ExGRPOConfig) -> list[str]:
-    """The dataset columns kept beside prompt and answer: `keep_columns`, and the offline solutions' column, which
-    offline guidance reads from the training rows (a user need not list it at all). The offline column may be any
-    column, ``answer`` included: that one is always there (`PRODUCED_COLUMNS`), the reference answers as
-    `answer_column` reads them, so it is not asked for again."""
-    wanted = [c for c in offline_columns(training_args) if c not in keep_columns and c not in PRODUCED_COLUMNS]
-    return [*keep_columns, *wanted]
+    """The dataset columns kept beside prompt and answer: `keep_columns`, then `offline_data_columns`."""
+    return [*keep_columns, *offline_data_columns(keep_columns, training_args)]
+
+
+def offline_data_columns(keep_columns: list[str], training_args: ExGRPOConfig) -> list[str]:
+    """The offline solutions' column, kept by itself (offline guidance reads it from the training rows; a user need
+    not list it at all). It may be any column, ``answer`` included: that one is always there (`PRODUCED_COLUMNS`),
+    the reference answers as `answer_column` reads them, so it is not asked for again."""
+    return [c for c in offline_columns(training_args) if c not in keep_columns and c not in PRODUCED_COLUMNS]
 
 
 def model_init_kwargs(model_args: ModelConfig, training_args: ExGRPOConfig, vision: bool = False) -> dict:
@@ -529,7 +532,7 @@ def _train_in(script_args: ScriptArguments, training_args: ExGRPOConfig, model_a
         answer_column=script_args.answer_column,
         system_prompt=script_args.system_prompt,
         keep_columns=script_args.keep_columns,  # and the offline solutions' column, named by its own option
-        offline_columns=data_columns(script_args.keep_columns, training_args)[len(script_args.keep_columns) :],
+        offline_columns=offline_data_columns(script_args.keep_columns, training_args),
         num_proc=script_args.dataset_num_proc,
     )
     # Rank 0 prepares (and caches) the data first; the other ranks then read the cache.
