@@ -5,8 +5,10 @@
     python scripts/same_behaviour.py BASE --only dr_grpo lora "rollout_func with env_mask"
 
 The modes are every case of the compatibility matrix (`tests/trainer/test_compat_matrix.py`: loss types, reward
-scaling, batch layouts, adapters, rewards, multi-turn rollouts) and every rollout shape of
-`tests/trainer/test_rollout_shapes.py` (a user's `rollout_func`, with and without `env_mask`, images, ...). Each is
+scaling, batch layouts, adapters, rewards, multi-turn rollouts), every rollout shape of
+`tests/trainer/test_rollout_shapes.py` (a user's `rollout_func`, with and without `env_mask`, images, ...) and image
+inputs with TRL's own generation (`tests/trainer/test_vlm.py`'s tiny Qwen2-VL). vLLM is not among them: its server
+mode samples without a seed, so two runs of one commit differ. Each is
 trained twice, as the tests train it (fixed seed, one CPU thread, 3-6 steps): with replay on from the first step, and
 at `replay_ratio=0`. A run's fingerprint is the sha256 of its final weights (every tensor of the state dict, bytes and
 dtype), of its experience buffer (the arrays and metadata it checkpoints) and of its log history (every logged value
@@ -60,7 +62,17 @@ def buffer_hash(buffer) -> str:
     parts = [
         x for name in sorted(arrays) for x in (name, arrays[name].dtype, np.ascontiguousarray(arrays[name]).tobytes())
     ]
-    return _sha([*parts, json.dumps(meta, sort_keys=True, default=repr)])
+    return _sha([*parts, json.dumps(meta, sort_keys=True, default=_plain)])
+
+
+def _plain(value) -> str:
+    """An image in a stored row by its pixels (its repr holds a memory address, another in every run)."""
+    from exgrpo_trl.buffer import image_digest
+
+    try:
+        return image_digest(value)
+    except TypeError:
+        return repr(value)
 
 
 def training_logs(trainer) -> list[dict]:
@@ -109,8 +121,18 @@ def modes() -> dict[str, object]:
 
         return run
 
+    def vlm_run(out, variant):  # images with TRL's own generation (the tiny Qwen2-VL)
+        from tests.trainer.test_vlm import vlm_trainer
+
+        config = {"replay_ratio": 0.0} if variant == "rho0" else {}
+        trainer = vlm_trainer(out, cls=ExGRPOTrainer, replay_start_pass_rate=0.0, steps_per_generation=1,
+                              max_steps=6, **config)  # fmt: skip
+        trainer.train()
+        return trainer
+
     found = {f"matrix: {case.id}": case_runner(case) for case in matrix.CASES}
     found.update({f"shape: {shape}": shape_runner(shape) for shape in shapes.SHAPES})
+    found["images: transformers generation"] = vlm_run
     return found
 
 
