@@ -3,7 +3,11 @@
 python -m lab.study --tasks countdown-hard --arms grpo,exgrpo --seeds 0-4
 python -m lab.study --report-only
 python -m lab.study --confirm                       # the registered study (lab.study.confirm)
-python -m lab.study --verify RUN.json --updates 50  # retrain a run's first updates, compare every record
+python -m lab.study --verify RUN.json --updates 50  # retrain a run's first updates, compare what the analysis reads
+python -m lab.study --replicate addition --seeds 25-27  # a registered setting's arms at fresh seeds, on this machine
+
+Warm starts come from the repository (lab/warm_starts) where one ships for the setting; --rebuild-warm-start trains
+them afresh into --cache-dir and says whether the weights equal the shipped ones.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import confirm
+from ..warm_start import SOURCES, warm_start_source
+from . import confirm, replicate
 from .report import report
 from .run import run_one
 from .schedule import _parse_seeds, run_missing, run_path
@@ -24,8 +29,13 @@ DESCRIPTION = "GRPO against ExGRPO and ablations on the toy tasks, over seeds; r
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m lab.study", description=DESCRIPTION)
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated, of {', '.join(TASKS)}")
-    p.add_argument("--arms", default=",".join(MAIN_ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
-    p.add_argument("--seeds", default="0-4", help="e.g. 0-4 or 0,2,5 (default 0-4)")
+    p.add_argument(
+        "--arms",
+        default=None,
+        help=f"comma-separated, of {', '.join(ARMS)} (default {','.join(MAIN_ARMS)}; with --replicate the registered "
+        f"arms, {','.join(confirm.ARMS)})",
+    )
+    p.add_argument("--seeds", default=None, help="e.g. 0-4 or 0,2,5 (default 0-4; --replicate needs them)")
     p.add_argument(
         "--results", type=Path, default=None, help=f"default {DEFAULT_RESULTS} ({confirm.RESULTS} with --confirm)"
     )
@@ -48,10 +58,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--verify",
         type=Path,
         metavar="RUN.json",
-        help="retrain the first --updates updates of a saved run at this checkout and compare every record with it "
-        "(exit 1 on any difference)",
+        help="retrain the first --updates updates of a saved run at this checkout, compare what the analysis reads: "
+        "settings against today's task and arm (give the run's --quick / --set), hashes, config, then every record on "
+        "the run's machine type, or only what must be equal on another (exit 1 on a mismatch)",
     )
     p.add_argument("--updates", type=int, default=50, help="updates --verify retrains (default 50)")
+    p.add_argument(
+        "--replicate",
+        metavar="SETTING",
+        choices=confirm.SETTINGS,
+        help=f"train a registered setting's arms at fresh --seeds (not 0-24) from the shipped warm start, then print "
+        f"where each lands against the registered runs (results in {replicate.DEFAULT_RESULTS} unless --results)",
+    )
+    p.add_argument(
+        "--rebuild-warm-start",
+        action="store_true",
+        help="train the warm starts afresh into --cache-dir instead of loading the shipped ones, and say whether "
+        "the weights equal them (runs record which they trained from)",
+    )
+    p.add_argument("--warm-start-source", choices=SOURCES, help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help="a smoke study in seconds: " + str(QUICK))
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
@@ -69,7 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.results is None:
-        args.results = Path(confirm.RESULTS if args.confirm else DEFAULT_RESULTS)
+        args.results = Path(
+            confirm.RESULTS if args.confirm else replicate.DEFAULT_RESULTS if args.replicate else DEFAULT_RESULTS
+        )
+    if args.arms is None:
+        args.arms = ",".join(confirm.ARMS if args.replicate else MAIN_ARMS)
+    warm_start_source("rebuild" if args.rebuild_warm_start else args.warm_start_source or "shipped")
+    if args.replicate and (args.quick or args.set or args.seeds is None):
+        print("lab.study: --replicate trains the registered setting as it is, at fresh --seeds: give --seeds, and no "
+              "--quick or --set", file=sys.stderr)  # fmt: skip
+        return 2
+    args.seeds = args.seeds or "0-4"
     if args.confirm and (args.quick or args.set):
         print("lab.study: --confirm runs the registered settings as they are: no --quick or --set", file=sys.stderr)
         return 2
@@ -82,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         from .verify import verify
 
         try:
-            ok, text = verify(args.verify, args.updates, str(args.cache_dir))
+            ok, text = verify(args.verify, args.updates, str(args.cache_dir), tasks)
         except (OSError, ValueError, KeyError) as exc:
             print(f"lab.study: --verify {args.verify}: {exc}", file=sys.stderr)
             return 2
@@ -105,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.confirm:
         return _confirm(args, tasks)
+    if args.replicate:
+        return _replicate(args, tasks)
     if args.control:
         from .control import write_control
 
@@ -152,6 +189,29 @@ def _confirm(args, tasks) -> int:
         report(args.results, None, None)
     _, text = confirm.analyse(args.results)
     print(text)
+    for failure in failures:
+        print(failure, file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _replicate(args, tasks) -> int:
+    """A registered setting's arms at fresh seeds (`lab.study.replicate`): train what is missing, then the reading."""
+    seeds = _parse_seeds(args.seeds)
+    arms = [a for a in args.arms.split(",") if a]
+    try:
+        replicate.check_seeds(seeds)
+        for arm in arms:
+            if arm not in ARMS:
+                raise ValueError(f"--arms: unknown arm {arm!r}; known: {', '.join(ARMS)}")
+    except ValueError as exc:
+        print(f"lab.study: {exc}", file=sys.stderr)
+        return 2
+    setting = args.replicate
+    todo = [(setting, a, s) for a in arms for s in seeds if not run_path(args.results, setting, a, s).exists()]
+    print(f"lab.study: replicating {args.replicate} at seeds {', '.join(map(str, seeds))}: {len(todo)} runs to train",
+          flush=True)  # fmt: skip
+    failures = run_missing(args, tasks, todo) if todo else []
+    print(replicate.write(args.results, args.replicate))
     for failure in failures:
         print(failure, file=sys.stderr)
     return 1 if failures else 0

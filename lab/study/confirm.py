@@ -292,9 +292,12 @@ def _direction(c: dict[str, Any]) -> int:
 
 
 def _decided_by(c: dict[str, Any]) -> str:
-    """The Holm-adjusted p the verdict rests on: of a loss of MARGIN for "non-inferior", else of no difference."""
+    """The Holm-adjusted p the verdict rests on: of a loss of MARGIN for "non-inferior" (the t-test's: the exact
+    sign-flip test cannot go below 1 / 2^n one-sided, 0.031 at 5 seeds), else of no difference."""
     if c["verdict"].startswith("non-inferior"):
-        return f"Holm p of a loss of {MARGIN} or more {_p_words(c['p_noninferior_holm'])}"
+        floor = 0.5 ** c["n"]
+        return (f"Holm p of a loss of {MARGIN} or more {_p_words(c['p_noninferior_holm'])}, by the t-test: the "
+                f"sign-flip test's p cannot go below {floor:.3f} one-sided at {c['n']} seeds")  # fmt: skip
     return f"Holm p {_p_words(c['p_t_holm'])}"
 
 
@@ -338,14 +341,16 @@ def answer(rows: list[dict[str, Any]], earlier: list[dict[str, Any]] | None = No
     before = _by_key(earlier or [])
     old = before.get(("countdown-hard", "reuse_limit", "grpo", "final_rollouts"))
     claim = f"the earlier result ({_figure(old)}, seeds 0-4, uncorrected)" if old else "the earlier result"
+    contains = old is not None and hard["ci95"] and hard["ci95"][0] <= old["mean"] <= hard["ci95"][1]
     if hard["verdict"] == "above":
         out.append(f"**The earlier claim** at countdown-hard, equal generated rollouts: {claim} held on fresh seeds: "
                    f"{_figure(hard)}, above GRPO ({_decided_by(hard)}).")  # fmt: skip
     else:
+        still = f"; the new interval still contains {_f(old['mean'])}" if contains else ""
         out.append(f"**The earlier claim** at countdown-hard, equal generated rollouts: {claim} did not hold on fresh "
-                   f"seeds: ExGRPO with the limit {PRIMARY_WORDS[hard['verdict']]} ({_figure(hard)}, "
-                   f"{_decided_by(hard)}); the docs no longer say that the reuse limit ends above GRPO "
-                   "there.")  # fmt: skip
+                   f"seeds, that is, it was not confirmed{still}: ExGRPO with the limit "
+                   f"{PRIMARY_WORDS[hard['verdict']]} ({_figure(hard)}, {_decided_by(hard)}); the docs no longer say "
+                   "that the reuse limit ends above GRPO there.")  # fmt: skip
     primary = {(s, a): found[(s, "reuse_limit", "grpo", a)]["verdict"] for s in SETTINGS for a in AXIS_WORDS}
     below_rollouts = [s for s in SETTINGS if primary[(s, "final_rollouts")] == "below"]
     below = [s for s in SETTINGS if "below" in (primary[(s, a)] for a in AXIS_WORDS)]
@@ -390,8 +395,14 @@ def reuse_reading(conc: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str
         figures += "; with `replay_cooldown: 9`: " + ", ".join(f"{s} {v:.2f}" for s, v in limited.items())
     lo = [reuse[s] for s in reuse if s in lost]
     hi = [reuse[s] for s in reuse if s not in lost]
+    uncorrected = [f"{c['setting']} at {AXIS_WORDS[c['axis']]} ({_figure(c)})" for c in rows
+                   if (c["arm"], c["base"]) == ("exgrpo", "grpo") and c["axis"] in AXIS_WORDS
+                   and c.get("ci95") and _direction(c) < 0]  # fmt: skip
     if not lo:
-        verdict = "ExGRPO was below GRPO in no setting, so no value of it marks a loss"
+        verdict = ("no setting's ExGRPO - GRPO was resolved below 0 after Holm's correction, so no value of it "
+                   "marks a resolved loss")  # fmt: skip
+        if uncorrected:
+            verdict += f"; uncorrected, the 95% interval lies below 0 in {'; '.join(uncorrected)}"
     elif not hi:
         verdict = "ExGRPO was below GRPO in every setting, so it does not tell the settings apart"
     elif min(lo) > max(hi):

@@ -1,5 +1,6 @@
-"""What made a run: the code (git commit, whether the tree had uncommitted changes), the library versions, the fully
-resolved training config, and the identity of what it trained from (hashes of the warm-start weights, the training
+"""What made a run: the machine (CPU model, the kernels torch picked for it, thread count: `lab.warm_start.machine`),
+the code (git commit, whether the tree had uncommitted changes), the library versions, the fully resolved training
+config, and the identity of what it trained from (hashes of the warm-start weights, the training
 pool and the held-out set). Every run JSON holds it (`provenance`); a confirmatory run refuses to start from a tree
 with uncommitted changes to tracked files (`require_clean`), so that its commit says exactly what code made it.
 """
@@ -73,15 +74,10 @@ def versions() -> dict[str, str | None]:
 
 
 def weights_digest(model) -> str:
-    """sha256 of a model's state dict: each tensor's name, dtype, shape and bytes, in name order."""
-    import torch
+    """sha256 of a model's state dict (`lab.warm_start.weights_sha256`: each tensor's name, dtype, shape and bytes)."""
+    from ..warm_start import weights_sha256
 
-    h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        t = tensor.detach().cpu().contiguous().view(-1)
-        h.update(f"{name}:{t.dtype}:{tuple(tensor.shape)}:".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes())  # the raw bytes, whatever the dtype (bf16 included)
-    return h.hexdigest()
+    return weights_sha256(model)
 
 
 def rows_digest(dataset) -> str:
@@ -102,8 +98,11 @@ def resolved_config(config) -> dict[str, Any]:
 
 def provenance(root: str | Path, *, config, warm_start, train_set, eval_set, confirmatory: bool) -> dict[str, Any]:
     """The record of what made a run (module docstring). `confirmatory`: refuse a tree with uncommitted changes."""
+    from ..warm_start import machine
+
     state = require_clean(root) if confirmatory else git_state(root)
     return {
+        "machine": machine(),
         "commit": state["commit"],
         "uncommitted_changes": state["dirty"],
         "confirmatory": confirmatory,

@@ -52,6 +52,22 @@ def _config_kwargs(task: Task, seed: int, output_dir: str) -> dict:
     )
 
 
+def run_settings(task: Task, arm_name: str, seed: int) -> dict:
+    """What a run of `task`, `arm_name` and `seed` records as its settings (the task's fields, the arm, the trainer's
+    class and the config it sets), as its saved JSON holds them."""
+    arm = ARMS[arm_name]
+    kwargs = _config_kwargs(task, seed, "")
+    settings = {
+        "task": {
+            f.name: getattr(task, f.name) for f in dataclasses.fields(task) if not callable(getattr(task, f.name))
+        },
+        "arm": dataclasses.asdict(arm),
+        "trainer": "GRPOTrainer" if arm.exgrpo is None else "ExGRPOTrainer",
+        "config": {k: v for k, v in kwargs.items() if k not in ("output_dir", "report_to", "disable_tqdm")},
+    }
+    return json.loads(json.dumps(settings))
+
+
 def _r(x: float | None, digits: int = 4) -> float | None:
     return None if x is None or (isinstance(x, float) and math.isnan(x)) else round(float(x), digits)
 
@@ -132,7 +148,8 @@ def run_one(
     `confirmatory`: a registered run (`lab.study.confirm`): refused from a tree with uncommitted changes to tracked
     files, and a resume from a checkpoint another commit wrote is refused too. `stop_after`: train only the first
     `stop_after` updates from scratch (no resume) and return what was recorded up to there, saving nothing: what
-    `lab.study.verify` compares with a saved run."""
+    `lab.study.verify` compares with a saved run; at the run's length (`task.steps`) or more the whole run, its
+    final evaluations and probes included, is returned and nothing saved (no JSON, final model or progress file)."""
     import torch
     from datasets import Dataset
     from transformers import TrainerCallback
@@ -161,15 +178,7 @@ def run_one(
         # checkpoints are how a killed run resumes; they change nothing in training, so the record leaves them out
         saves = dict(save_strategy="steps", save_steps=checkpoint_every(task), save_total_limit=2)
         config, trainer_cls = ExGRPOConfig(**{**kwargs, **saves}, **{**task.exgrpo, **arm.exgrpo}), ExGRPOTrainer
-    settings = {
-        "task": {
-            f.name: getattr(task, f.name) for f in dataclasses.fields(task) if not callable(getattr(task, f.name))
-        },
-        "arm": dataclasses.asdict(arm),
-        "trainer": trainer_cls.__name__,
-        "config": {k: v for k, v in kwargs.items() if k not in ("output_dir", "report_to", "disable_tqdm")},
-    }
-    settings = json.loads(json.dumps(settings))  # as a saved state holds it
+    settings = run_settings(task, arm_name, seed)
     made_by = provenance(
         LAB_ROOT, config=config, warm_start=warm, train_set=train_set, eval_set=eval_set, confirmatory=confirmatory
     )
@@ -297,7 +306,7 @@ def run_one(
     if resume is None:
         evaluate_now(0, 0)
     trainer.train(resume_from_checkpoint=resume)
-    if stop_after is not None:  # a verification: what was recorded up to there, nothing saved
+    if stop_after is not None and stop_after < task.steps:  # a verification: what was recorded up to there
         shutil.rmtree(kwargs["output_dir"], ignore_errors=True)
         return {"task": task.name, "arm": arm_name, "seed": seed, "settings": settings, "provenance": made_by,
                 "curve": curve, "steps": steps_log, "batches": batches}  # fmt: skip
@@ -325,7 +334,8 @@ def run_one(
     control = overfitting_control(
         task, warm, trainer.model, tokenizer, train_set, replay_counts, seed, evaluated.get("replayed")
     )
-    save_final_model(trainer.model, final_model_path(cache_dir, task.name, arm_name, seed))
+    if stop_after is None:  # not a verification
+        save_final_model(trainer.model, final_model_path(cache_dir, task.name, arm_name, seed))
     histogram = Counter(replay_counts.values())
     # The held-out estimate's own noise: the final model evaluated again with other sampling seeds.
     resampled = [
@@ -364,7 +374,8 @@ def run_one(
             "pass_at_1_resampled": [curve["pass_at_1"][-1], *resampled],
         },
     }
-    _write_atomic(out_path, json.dumps(record, separators=(",", ":")) + "\n")
+    if out_path is not None:
+        _write_atomic(out_path, json.dumps(record, separators=(",", ":")) + "\n")
     shutil.rmtree(kwargs["output_dir"], ignore_errors=True)  # the run's checkpoints: the record is saved
     return record
 

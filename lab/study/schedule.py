@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..warm_start import warm_start_source
 from .provenance import LAB_ROOT
 from .run import progress_path
 from .tasks import Task
@@ -32,6 +33,8 @@ def _child_command(args, task: str, arm: str, seed: int) -> list[str]:
     cmd += ["--results", str(Path(args.results).resolve()), "--cache-dir", str(Path(args.cache_dir).resolve())]
     cmd += [part for item in args.set for part in ("--set", item)]
     cmd += ["--confirm"] if getattr(args, "confirm", False) else []
+    if warm_start_source() != "shipped":  # rebuilt (or taken from) the cache by this process: the children read it
+        cmd += ["--warm-start-source", "cache"]
     return cmd + (["--quick"] if args.quick else [])
 
 

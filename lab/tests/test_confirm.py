@@ -145,16 +145,22 @@ def test_the_committed_runs_and_the_plan_above_its_line_are_the_registered_commi
 
 
 # ------------------------------------------------------------------------------------------------ provenance, verify
-def test_provenance_fields_and_verify_on_a_tiny_run(tmp_path, capsys):
+def test_provenance_fields_and_verify_on_a_tiny_run(tmp_path, capsys, monkeypatch):
+    # The warm start is built in a fresh cache folder (not the study's): --quick's 5-step warm start ships nowhere.
     results, cache = tmp_path / "results", tmp_path / "cache"
     argv = ["--quick", "--tasks", "addition", "--arms", "exgrpo", "--seeds", "0", "--results", str(results),
             "--cache-dir", str(cache), "--no-progress", "--jobs", "1"]  # fmt: skip
     assert study.main(argv) == 0
+    assert len(list(cache.glob("warm-start-5steps-seed0-*"))) == 1
     path = results / "addition" / "exgrpo" / "seed0.json"
     made = json.loads(path.read_text())["provenance"]
     assert len(made["commit"]) == 40 and isinstance(made["uncommitted_changes"], list)
     assert made["confirmatory"] is False
     assert set(made["versions"]) == {"python", "torch", "trl", "transformers", "accelerate", "datasets", "numpy"}
+    import torch
+
+    assert made["machine"]["capability"] == torch.backends.cpu.get_cpu_capability() and made["machine"]["threads"] == 1
+    assert made["machine"]["cpu"]
     for key in ("warm_start_sha256", "train_pool_sha256", "held_out_sha256"):
         assert len(made[key]) == 64
     config = made["config"]  # every field, resolved: defaults the run never set included, no machine paths
@@ -162,19 +168,73 @@ def test_provenance_fields_and_verify_on_a_tiny_run(tmp_path, capsys):
     assert config["max_trajectory_candidates"] is None and "output_dir" not in config and len(config) > 150
     capsys.readouterr()
 
-    assert study.main(["--verify", str(path), "--cache-dir", str(cache)]) == 0
+    verify = ["--quick", "--cache-dir", str(cache), "--verify"]
+    assert study.main([*verify, str(path)]) == 0
     out = capsys.readouterr().out
-    assert "its first 2 updates retrained" in out and "verify: every record matches" in out
+    assert "the first 2 of its 2 updates, final evaluations included" in out and "verify: every record matches" in out
     assert "per-update records, updates 1-2: 14 equal" in out  # 7 series x 2 updates
+    assert "warm start, training pool, held-out set (sha256): 3 equal" in out
+    # final: pass_at_1, rollouts, 4 digit buckets, 2 resampled (QUICK_SWEEP's 2 seeds are for the big tasks: addition
+    # evaluates once, so 1 resampled), questions (4 counts), replay_counts (4 + its histogram's entries)
+    assert "final evaluations (what the analysis averages) and end-of-run counts:" in out
+    assert "(the same: every record must be equal)" in out and "the run's commit" in out
+    assert "NOTHING COMPARED" not in out
 
-    altered = json.loads(path.read_text())
-    altered["steps"]["batch_pass_at_1"][1] = 0.5
-    bad = tmp_path / "altered.json"
-    bad.write_text(json.dumps(altered))
-    assert study.main(["--verify", str(bad), "--cache-dir", str(cache)]) == 1
+    def altered(name, change):
+        record = json.loads(path.read_text())
+        change(record)
+        bad = tmp_path / f"{name}.json"
+        bad.write_text(json.dumps(record))
+        return bad
+
+    # a per-update figure changed: named, exit 1
+    bad = altered("step", lambda r: r["steps"]["batch_pass_at_1"].__setitem__(1, 0.5))
+    assert study.main([*verify, str(bad)]) == 1
     out = capsys.readouterr().out
     assert "per-update records, updates 1-2: 1 of 14 DIFFER" in out and "verify: MISMATCH" in out
     assert "steps.batch_pass_at_1[1] (update 2): saved 0.5, retrained" in out
+    # a final evaluation changed: the analysis reads it, so verify does
+    bad = altered("final", lambda r: r["final"]["pass_at_1_resampled"].__setitem__(0, 0.123))
+    assert study.main([*verify, str(bad)]) == 1
+    assert "final.pass_at_1_resampled[0]: saved 0.123, retrained" in capsys.readouterr().out
+    # the same run on another machine: the records are counted, not decisive; the hashes, config and settings decide
+    other = {"cpu": "Another CPU", "capability": "AVX2", "threads": 1}
+    bad = altered("machine", lambda r: (r["provenance"].__setitem__("machine", other),
+                                        r["steps"]["batch_pass_at_1"].__setitem__(1, 0.5)))  # fmt: skip
+    assert study.main([*verify, str(bad)]) == 0
+    out = capsys.readouterr().out
+    assert "the run's Another CPU, AVX2 kernels, 1 thread(s)" in out and "(DIFFERENT: per-update" in out
+    assert "per-update records, updates 1-2: 1 of 14 differ (expected here)" in out
+    assert "verify: the hashes, config and settings match; 1 of" in out and "not decisive on another machine" in out
+    # ... but a warm start that is not the run's fails there too
+    bad = altered("weights", lambda r: (r["provenance"].__setitem__("machine", other),
+                                        r["provenance"].__setitem__("warm_start_sha256", "0" * 64)))  # fmt: skip
+    assert study.main([*verify, str(bad)]) == 1
+    assert "warm_start_sha256: saved '0000" in capsys.readouterr().out
+    # a run made before machines were recorded: said so, the records not decisive
+    bad = altered("old", lambda r: r["provenance"].pop("machine"))
+    assert study.main([*verify, str(bad)]) == 0
+    assert "the run's not recorded" in capsys.readouterr().out
+    # the task's definition today differs from the run's (here: verified without the run's --quick): nothing retrained
+    monkeypatch.setattr(study_run, "run_one", lambda *a, **k: pytest.fail("retrained with other settings"))
+    assert study.main(["--cache-dir", str(cache), "--verify", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "settings.task.steps: saved 2, retrained 300" in out and "verify: MISMATCH (the settings" in out
+
+
+def test_verify_fails_an_empty_comparison():
+    # nothing finished by update 1 of a 2-update generation batch: the batches block compared nothing, a failure
+    from lab.study.verify import Comparison, compare
+
+    curve = {"step": [0], "rollouts": [0], "pass_at_1": [0.5], "by_difficulty": {}}
+    saved = {"settings": {"task": {"steps_per_generation": 2}}, "curve": curve, "steps": {"rollouts": [8, 8]},
+             "batches": [{"step": 0}]}  # fmt: skip
+    rerun = {**saved, "provenance": {}}
+    blocks = {c.key: c for c in compare(saved, rerun, 1, final=False)}
+    assert blocks["curve"].equal and blocks["steps"].equal
+    assert blocks["batches"].compared == 0 and not blocks["batches"].equal
+    assert "NOTHING COMPARED" in blocks["batches"].line()
+    assert not Comparison("x", "y").equal
 
 
 # ------------------------------------------------------------------------------------------------ analysis
@@ -287,8 +347,10 @@ def test_the_registered_answer_in_the_plans_words():
     assert weak.startswith("**countdown-weak**: with the reuse limit, ExGRPO ended above GRPO at equal generated "
                            "rollouts (+0.006 [")  # fmt: skip
     # mean 0, half-width 2.776 x 0.00158 / sqrt 5 = 0.0020
+    # a non-inferiority verdict says it rests on the t-test: the sign-flip p's floor at 5 seeds is 1/32 = 0.031
     assert ("; was level with GRPO (not worse by 0.01 or more) at equal updates (+0.000 [-0.002, +0.002], Holm p of a "
-            "loss of 0.01 or more < 0.001)" in weak)  # fmt: skip
+            "loss of 0.01 or more < 0.001, by the t-test: the sign-flip test's p cannot go below 0.031 one-sided at 5 "
+            "seeds)" in weak)  # fmt: skip
     assert "; at equal updates it removes ExGRPO's loss there rather than adding a gain over GRPO." in weak
     assert "not recommended" not in weak
     assert ("was not told apart from GRPO, and a loss of 0.01 is not ruled out at both equal generated rollouts "
@@ -316,7 +378,8 @@ def test_the_registered_answer_in_the_plans_words():
     assert found[("countdown-hard", "reuse_limit", "grpo", "final_rollouts")]["verdict"] == level
     claim = confirm.answer(rows)[4]
     assert (
-        "did not hold on fresh seeds: ExGRPO with the limit was level with GRPO (not worse by 0.01 or more) (-0.001 ["
+        "did not hold on fresh seeds, that is, it was not confirmed: ExGRPO with the limit was level with GRPO (not "
+        "worse by 0.01 or more) (-0.001 ["
         in claim
         and "], Holm p of a loss of 0.01 or more " in claim
     )
@@ -392,8 +455,22 @@ def test_reuse_reading_gives_a_threshold_only_where_the_settings_separate():
     text = confirm.reuse_reading(conc, rows({("addition", "final_updates"), ("countdown-weak", "final_updates")}))
     assert "does not separate the settings where ExGRPO was below GRPO (reuse 3.50 to 6.00) from the others (2.00 " \
         "to 4.50): no threshold" in text  # fmt: skip
-    assert "in no setting, so no value of it marks a loss" in confirm.reuse_reading(conc, rows(set()))
+    text = confirm.reuse_reading(conc, rows(set()))
+    assert text.endswith("no setting's ExGRPO - GRPO was resolved below 0 after Holm's correction, so no value of it "
+                         "marks a resolved loss.")  # fmt: skip
+    # ... and where an uncorrected interval lies below 0, it says which
+    losing = rows(set())
+    for c in losing:
+        c.update(label="x", ci95=[-0.2, -0.1] if c["setting"] == "addition" else [-0.1, 0.1], mean=-0.15)
+    assert text_end(confirm.reuse_reading(conc, losing)) == (
+        "resolved loss; uncorrected, the 95% interval lies below 0 in addition at equal generated rollouts (-0.150 "
+        "[-0.200, -0.100]); addition at equal updates (-0.150 [-0.200, -0.100])."
+    )
     assert confirm.reuse_reading([], rows(set())) == "ExGRPO's `exgrpo/replay/reuse`: no ExGRPO run has logged it."
+
+
+def text_end(text: str) -> str:
+    return text[text.index("resolved loss") :]
 
 
 def test_the_committed_analysis_is_what_the_committed_runs_give(tmp_path):
