@@ -11,7 +11,7 @@ GB of host memory), then prints:
   buffer holds included: rows, buckets, per-trajectory objects) and the token data alone (int32 id + float16
   log-prob); the per-trajectory constant is what the RSS growth adds above the token data;
 - time to build one step's replay plan for 64 questions on the main process, median wall and CPU time:
-  `sample_questions(64)` alone; the trainer's own plan functions (`exgrpo_trl.replay`: draw the questions, shortlist
+  `choose_questions(64)` alone; the trainer's own plan functions (`exgrpo_trl.draw`: draw the questions, shortlist
   the candidate trajectories of each that are broadcast to the ranks, pick one per question, build the plan; the
   entropy forward pass, which runs on the accelerator, stubbed), with every stored trajectory a candidate unless
   ``--max-candidates``; and the same with the broadcast's pickling and unpickling of the drawn questions;
@@ -29,6 +29,7 @@ memory, so about one copy of the data is resident at a time: ~2 GB of RAM and ~1
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import hashlib
 import json
@@ -47,7 +48,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from exgrpo_trl.buffer import ExperienceBuffer, Trajectory
-from exgrpo_trl.replay import ReplayPlan, draw_replay_questions, select_lowest
+from exgrpo_trl.draw import choose_questions, draw_questions, select_lowest
+from exgrpo_trl.replay import ReplayPlan
 from exgrpo_trl.settings import ExGRPOSettings
 from exgrpo_trl.state import ARRAYS_FILENAME, load_state, save_state
 
@@ -116,7 +118,7 @@ def plan_fn(buffer: ExperienceBuffer, n: int, broadcast_pickle: bool, max_candid
     settings = ExGRPOSettings(max_trajectory_candidates=max_candidates)
 
     def make():
-        drawn = draw_replay_questions(buffer, settings, 2 * n, now=0)
+        drawn = draw_questions(buffer, settings, 2 * n, 0)
         if broadcast_pickle:
             drawn = pickle.loads(pickle.dumps([drawn]))[0]
         chosen = [select_lowest(torch.zeros(len(q.candidates))) for q in drawn]
@@ -238,17 +240,16 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---------------------------------------------------------------- replay plan
     n = args.plan_questions
-    sample = buffer.sample_questions
-    sample_ms, sample_max, sample_cpu = timed(lambda: sample(n, now=0), args.repeats)
+    sample_ms, sample_max, sample_cpu = timed(functools.partial(choose_questions, buffer, n, 0), args.repeats)
     cap = args.max_candidates
     plan_ms, plan_max, plan_cpu = timed(plan_fn(buffer, n, False, cap), args.repeats)
     plan_bc_ms, plan_bc_max, plan_bc_cpu = timed(plan_fn(buffer, n, True, cap), args.repeats)
-    drawn = draw_replay_questions(buffer, ExGRPOSettings(max_trajectory_candidates=cap), 2 * n, now=0)
+    drawn = draw_questions(buffer, ExGRPOSettings(max_trajectory_candidates=cap), 2 * n, 0)
     candidates = sum(len(q.candidates) for q in drawn)
     pickled = len(pickle.dumps([drawn]))
     print(
         f"replay plan, {n} questions (~{candidates} candidate trajectories), wall median [max] / CPU median of "
-        f"{args.repeats}: sample_questions {sample_ms:.2f} [{sample_max:.2f}] / {sample_cpu:.2f} ms; "
+        f"{args.repeats}: choose_questions {sample_ms:.2f} [{sample_max:.2f}] / {sample_cpu:.2f} ms; "
         f"the trainer's plan (exgrpo_trl.replay; entropy forward stubbed) {plan_ms:.2f} [{plan_max:.2f}] / "
         f"{plan_cpu:.2f} ms; the same with the broadcast's pickling and unpickling of the drawn questions "
         f"({pickled / 2**20:.1f} MiB) {plan_bc_ms:.2f} [{plan_bc_max:.2f}] / {plan_bc_cpu:.2f} ms"

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import add_task_arguments, build_model, build_task, prefill  # noqa: E402
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer  # noqa: E402
+from exgrpo_trl import draw as draw_module  # noqa: E402
 from exgrpo_trl.buffer import shortlist_indices  # noqa: E402
 
 
@@ -38,13 +39,13 @@ class RecordingExGRPOTrainer(ExGRPOTrainer):
         self.selections: list[np.ndarray] = []
         self.stored_nll: list[np.ndarray] = []
         self._sampled: list[str] = []
-        sample = self.exgrpo_state.buffer.sample_questions
+        choose = draw_module.choose_questions
 
-        def recording_sample(n, now):
-            self._sampled = sample(n, now)
+        def recording_choose(buffer, n, clock):
+            self._sampled = choose(buffer, n, clock)
             return self._sampled
 
-        self.exgrpo_state.buffer.sample_questions = recording_sample
+        draw_module.choose_questions = recording_choose  # the draw looks it up at each call
 
     def _exgrpo_score_entropies(self, prompt_ids, completion_ids, masks=None, vision=None):
         entropies = super()._exgrpo_score_entropies(prompt_ids, completion_ids, masks, vision).numpy()

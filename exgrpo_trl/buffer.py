@@ -152,9 +152,11 @@ class Trajectory:
 
     completion_ids: np.ndarray  # (L,) int32, ends with EOS
     logps: np.ndarray  # (L,) float16, log-probs under the policy that generated it (before its update)
-    collected_at: int  # the generation batch it was collected in (the run's clock)
+    collected_at: int  # the run's clock (generation batches made so far) when it was collected
     mask: np.ndarray | None = None  # (L,) uint8, 1 for the model's tokens; None: all of them (normalised so)
     record: dict[str, Any] | None = None
+    advantage: float | None = None  # the advantage TRL gave it when collected (None: seeded, or an older state)
+    uses: int = 0  # times it has been replayed
 
     def stored_nll(self) -> float:
         """Mean -logp over the model's tokens under the policy that sampled it (no forward pass)."""
@@ -194,11 +196,10 @@ class ExperienceBuffer:
 
     - `update_group` applies one group's outcome: K/K retires the question (removed, never replayed again), 0/K
       leaves an existing entry as it is, 1..K-1 sets the bucket and adds the new, de-duplicated trajectories.
-    - `sample_questions` draws questions for replay: a Gaussian over non-empty buckets (or uniform over questions),
-      per-bucket counts from a capped multinomial, uniform without replacement within a bucket. With a reuse limit
-      (`replay_cooldown` N > 0) a question replayed in one generation batch sits out the next N: only eligible
-      questions are drawn, and a draw may return fewer than asked for (algorithm §5a). `mark_replayed` closes a draw.
-    - Time is the run's clock, in generation batches, handed in by the caller (`now`): the reuse limit, the repeat
+    - What is replayed is decided in one place, `draw.draw` (every rule in order); the buffer holds what it reads:
+      the buckets, when each question was last replayed (`mark_replayed` closes a draw) and each trajectory's stamp,
+      advantage and use count. `drop_trajectories` removes what the age limit or the use cap retires.
+    - Time is the run's clock, in generation batches, handed in by the caller (`clock`): the reuse limit, the repeat
       flags and `reuse` count in it, and trajectories are stamped with it (`Trajectory.collected_at`).
     - All randomness comes from the buffer's own seeded generator, never the global torch / numpy / python ones.
 
@@ -296,50 +297,29 @@ class ExperienceBuffer:
             [k for k, c in counts.items() if c > 0], self.num_generations, s.replay_mu, s.replay_sigma
         )
 
-    def eligible(self, key: str, now: int) -> bool:
-        """Whether `key` may be drawn in generation batch `now`: always without a reuse limit; with one of N, unless
-        it was replayed in one of the last N batches (replayed in batch b, it sits out batches b+1 .. b+N)."""
-        last, limit = self.replayed_at.get(key), self.settings.replay_cooldown
-        return limit == 0 or last is None or now - last > limit
-
-    def sample_questions(self, n: int, now: int) -> list[str]:
-        """Draw `n` distinct questions for replay in generation batch `now` (fewer if the buffer holds fewer eligible
-        ones: `eligible`)."""
-        # without a reuse limit every question is eligible: the paper's draw, number for number
-        members_of = {b: [q for q in m if self.eligible(q, now)] for b, m in self._buckets.items()}
-        n = min(int(n), sum(len(m) for m in members_of.values()))
-        if n <= 0:
-            return []
-        if self.settings.question_selection == "uniform":
-            keys = [q for q in self.questions if self.eligible(q, now)]
-            picked = self.rng.choice(len(keys), size=n, replace=False)
-            return [keys[i] for i in picked]
-
-        buckets = [b for b, members in members_of.items() if members]
-        probs = gaussian_bucket_probabilities(
-            buckets, self.num_generations, self.settings.replay_mu, self.settings.replay_sigma
-        )
-        p = np.array([probs[b] for b in buckets], dtype=np.float64)
-        sizes = np.array([len(members_of[b]) for b in buckets], dtype=np.int64)
-        counts = _capped_multinomial(self.rng, n, p, sizes)
-        sampled: list[str] = []
-        for bucket, count in zip(buckets, counts):
-            if count:
-                members = members_of[bucket]
-                sampled += [members[i] for i in self.rng.choice(len(members), size=int(count), replace=False)]
-        return sampled
-
-    def mark_replayed(self, keys: Sequence[str], now: int) -> list[bool]:
-        """Close generation batch `now`'s draw: `keys` were replayed in it. Returns, per key, whether it was also
-        replayed in the batch before (the repeat share's numerator); the reuse limit counts from here."""
-        repeats = [self.replayed_at.get(key) == now - 1 for key in keys]
+    def mark_replayed(self, keys: Sequence[str], clock: int) -> list[bool]:
+        """Close the draw of generation batch `clock`: `keys` were replayed in it. Returns, per key, whether it was
+        also replayed in the batch before (the repeat share's numerator); the reuse limit counts from here."""
+        repeats = [self.replayed_at.get(key) == clock - 1 for key in keys]
         for key in keys:
             if key in self.questions:
-                self.replayed_at[key] = now
-        self.recent.append((now, list(keys)))
-        while self.recent and now - self.recent[0][0] >= REUSE_WINDOW:
+                self.replayed_at[key] = clock
+        self.recent.append((clock, list(keys)))
+        while self.recent and clock - self.recent[0][0] >= REUSE_WINDOW:
             self.recent.popleft()
         return repeats
+
+    def drop_trajectories(self, key: str, dropped: Sequence[Trajectory]) -> None:
+        """Remove `dropped` (by identity) from question `key`'s trajectories; a question left with none leaves the
+        buffer (not retired: it comes back with its next stored success). The age limit and the use cap call it."""
+        entry = self.questions.get(key)
+        if entry is None:
+            return
+        ids = {id(t) for t in dropped}
+        entry.trajectories = [t for t in entry.trajectories if id(t) not in ids]
+        if not entry.trajectories:
+            del self.questions[key]
+            self._buckets[entry.k].pop(key, None)
 
     def reuse(self) -> float | None:
         """Replays per distinct replayed question over the last `REUSE_WINDOW` generation batches: 1.0 when no question
@@ -383,6 +363,13 @@ class ExperienceBuffer:
                     "row": e.row,
                     # multi-turn trajectories only (state format 2): what the reward functions saw of each
                     **({"records": [t.record for t in e.trajectories]} if _has_records(e) else {}),
+                    # per trajectory, when any has one: the advantage it was collected with, and its replays
+                    **(
+                        {"advantages": [t.advantage for t in e.trajectories]}
+                        if any(t.advantage is not None for t in e.trajectories)
+                        else {}
+                    ),
+                    **({"uses": [t.uses for t in e.trajectories]} if any(t.uses for t in e.trajectories) else {}),
                 }
                 for key, e in self.questions.items()
             ],
@@ -489,12 +476,15 @@ class ExperienceBuffer:
             entry = self.questions[q["key"]] = QuestionEntry(
                 row=q["row"], k=q["k"], trajectories=list(trajectories[t : t + n])
             )
-            records = q.get("records")  # states without multi-turn trajectories have none
-            if records is not None:
-                if len(records) != n:
-                    raise ValueError(f"question {q['key']} lists {n} trajectories but {len(records)} records")
-                for trajectory, record in zip(entry.trajectories, records):
-                    trajectory.record = record
+            for name in ("records", "advantages", "uses"):  # absent: none of its trajectories has one
+                values = q.get(name)
+                if values is None:
+                    continue
+                if len(values) != n:
+                    raise ValueError(f"question {q['key']} lists {n} trajectories but {len(values)} {name}")
+                attribute = {"records": "record", "advantages": "advantage", "uses": "uses"}[name]
+                for trajectory, value in zip(entry.trajectories, values):
+                    setattr(trajectory, attribute, value)
             t += n
         # bucket members in their saved order (states written before positions were saved: buffer order)
         in_order = sorted(range(len(counts)), key=lambda i: meta["questions"][i].get("bucket_position", i))

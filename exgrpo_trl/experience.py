@@ -172,7 +172,7 @@ class ExGRPOState:
             return
         report = seed_buffer(
             self.buffer, path, fingerprint=fingerprint, tokenize=tokenize, max_length=max_length, meta=meta,
-            progress=progress,
+            progress=progress, clock=self.clock,
         )  # fmt: skip
         skipped = report.skipped()
         if skipped:

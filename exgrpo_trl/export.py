@@ -334,6 +334,7 @@ def seed_buffer(
     max_length: int | None,
     meta: dict[str, Any] | None = None,
     progress: bool = True,
+    clock: int = 0,
 ) -> SeedReport:
     """Fill `buffer` from the export at `path`: each question with its row, its k and its trajectories.
 
@@ -341,7 +342,10 @@ def seed_buffer(
     their token ids and behaviour log-probs; otherwise each completion's text is tokenized again with `tokenize`
     (as the model's completion would be: the text, then EOS) and taken as offline, behaviour log-probs all 0.
     Left out (and counted in the report): trajectories longer than `max_length` tokens, multi-turn trajectories when
-    re-tokenizing, and questions whose k is not in 1..K-1. Raises ExportError for an export of another K."""
+    re-tokenizing, and questions whose k is not in 1..K-1. Raises ExportError for an export of another K.
+    The trajectories are put on this run's clock: stamped `clock` (the generation batch the run seeds at, 0), not the
+    exporting run's, so that their age counts from the seeding (the export's `collected_at` is the other run's
+    clock)."""
     path = Path(path)
     if meta is None:
         meta = read_export_meta(path, num_generations=buffer.num_generations)
@@ -352,7 +356,7 @@ def seed_buffer(
         for batch in (b for part in batches for b in _record_batches(part)):
             ids_values, ids_offsets = _list_parts(batch.column("completion_ids"), IDS_DTYPE)
             logps_values, logps_offsets = _list_parts(batch.column("behaviour_logps"), LOGPS_DTYPE)
-            keys, rows, ks, steps = (_column(batch, n) for n in ("question_key", "row", "k", "collected_at"))
+            keys, rows, ks = (_column(batch, n) for n in ("question_key", "row", "k"))
             images = _column(batch, "images")  # per row: the question's images as {"bytes", "path"}, or None
             texts, masks, records = (_column(batch, n) for n in ("completion", "mask", "record"))
             for i, key in enumerate(keys):
@@ -375,7 +379,7 @@ def seed_buffer(
                     report.too_long += 1
                     continue
                 record = None if records[i] is None else json.loads(records[i])
-                questions[key][2].append(Trajectory(ids, logps, int(steps[i]), mask, record))
+                questions[key][2].append(Trajectory(ids, logps, clock, mask, record))
             bar.update(batch.num_rows)
     for key, (row, k, trajectories) in questions.items():
         if not 1 <= k < buffer.num_generations:

@@ -6,9 +6,8 @@ these at each step of a generation batch and adds what needs the other ranks (th
 the trainer passes in what needs the model (entropy scoring).
 
 One generation batch, in order:
-1. `draw_replay_questions` (main process): which questions to replay (`replay_count` of them), and the stored
-   trajectories offered for selection of each (the shortlist).
-2. `to_score` and `select_trajectories` over the entropies the trainer scored; `ReplayPlan.build` fixes the plan.
+1.-2. `draw.draw`: which questions to replay (`replay_count` of them) and which stored trajectory of each, every rule
+   in order; `ReplayPlan` is what it fixes.
 3. `assign_rows`: each replayed group's K rows get its question; its first row is reserved for the stored trajectory.
 4. `batch_outcome`: success per row and count k per group, from the rewards TRL gathered across ranks.
 5. `collect`: what to commit to the buffer (groups and the rows whose trajectories are stored) once the behaviour
@@ -27,8 +26,7 @@ from typing import Any
 
 import torch
 
-from .buffer import ExperienceBuffer, Trajectory, row_key, shortlist_candidates
-from .settings import ExGRPOSettings
+from .buffer import ExperienceBuffer, Trajectory, row_key
 
 logger = logging.getLogger(__name__)
 
@@ -48,33 +46,6 @@ class ReplayQuestion:
     candidates: list[Trajectory]  # in stored order (oldest first)
     bucket: int = 0  # its success count k when drawn
     repeat: bool = False  # also replayed in the draw before this one
-
-
-def draw_replay_questions(
-    buffer: ExperienceBuffer, settings: ExGRPOSettings, num_groups: int, now: int
-) -> list[ReplayQuestion]:
-    """Sample the replayed questions of generation batch `now`, of `num_groups` groups in all (`replay_count` of
-    them, algorithm §5), and shortlist each one's candidates (algorithm §6).
-
-    `random` selection draws its one trajectory here, uniformly over all stored ones, and scores nothing; the other
-    rules keep at most the settings' cap of candidates, ranked by stored log-likelihood (`shortlist_candidates`). The
-    draw is closed on the buffer (`mark_replayed`: the reuse limit and the repeat flags), also when nothing is drawn.
-    """
-    n = replay_count(buffer.num_questions, settings.replay_ratio, num_groups)
-    selection, drawn = settings.trajectory_selection, []
-    keys = buffer.sample_questions(n, now)
-    repeats = buffer.mark_replayed(keys, now)
-    for key, repeat in zip(keys, repeats):
-        entry = buffer.questions[key]
-        candidates = entry.trajectories
-        if selection == "random":
-            if len(candidates) > 1:
-                candidates = [candidates[buffer.choose_random(len(candidates))]]
-        else:
-            cap = settings.max_trajectory_candidates
-            candidates = shortlist_candidates(candidates, cap, selection == "highest_entropy")
-        drawn.append(ReplayQuestion(key, entry.row, list(candidates), entry.k, repeat))
-    return drawn
 
 
 def replay_never_fires(cfg) -> str | None:
@@ -100,40 +71,6 @@ def replay_never_fires(cfg) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------ 2. the plan
-def select_lowest(scores: torch.Tensor, highest: bool = False) -> int:
-    """Index of the lowest score (`highest=True`: the highest); the first one on ties, as `argmin` does."""
-    return int(torch.argmin(-scores if highest else scores))
-
-
-def to_score(drawn: Sequence[ReplayQuestion], settings: ExGRPOSettings) -> list[int]:
-    """The drawn questions whose candidates are scored (entropy under the current policy): those with more than one,
-    unless the settings select at random or put no stored trajectory in the group."""
-    if settings.trajectory_selection == "random" or not settings.replay_stored_trajectory:
-        return []
-    return [i for i, question in enumerate(drawn) if len(question.candidates) > 1]
-
-
-def select_trajectories(
-    drawn: Sequence[ReplayQuestion],
-    scored: Sequence[int],
-    entropies: torch.Tensor,
-    settings: ExGRPOSettings,
-    *,
-    num_groups: int,
-    clock: int,
-) -> ReplayPlan:
-    """The plan of generation batch `clock` (of `num_groups` groups): each drawn question with its chosen candidate,
-    the lowest (or highest) mean entropy among its candidates for the `scored` ones (algorithm §6), the first for the
-    others. `entropies`: the scored questions' candidates' entropies, concatenated in their order."""
-    chosen, selected, start = [0] * len(drawn), [], 0
-    for i in scored:
-        scores = entropies[start : start + len(drawn[i].candidates)]
-        chosen[i] = select_lowest(scores, highest=settings.trajectory_selection == "highest_entropy")
-        selected.append(float(scores[chosen[i]]))
-        start += len(drawn[i].candidates)
-    return ReplayPlan.build(drawn, chosen, num_groups, clock, selected, settings.replay_stored_trajectory)
-
-
 @dataclass
 class ReplayPlan:
     """What one generation batch replays, identical on every rank. The last `len(questions)` groups are replayed;
@@ -145,6 +82,7 @@ class ReplayPlan:
     clock: int  # the generation batch it is for (the run's clock)
     selected_entropies: list[float] = field(default_factory=list)  # of the scored (>= 2 candidates) questions
     with_trajectories: bool = True  # False: the questions are revisited with K fresh rollouts, no stored row
+    uses: list[int] = field(default_factory=list)  # each selected trajectory's replays, this one included
 
     @property
     def group_indices(self) -> list[int]:
@@ -210,7 +148,8 @@ class ReplayPlan:
     ) -> ReplayPlan:
         """The plan from the drawn questions and the index of each one's chosen candidate."""
         picked = [question.candidates[c] for question, c in zip(drawn, chosen)]
-        return cls(list(drawn), picked, num_groups, clock, list(selected_entropies), with_trajectories)
+        uses = [t.uses + 1 for t in picked] if with_trajectories else []
+        return cls(list(drawn), picked, num_groups, clock, list(selected_entropies), with_trajectories, uses)
 
 
 # ------------------------------------------------------------------------------------------------ 3. rows
@@ -374,6 +313,7 @@ class StoredRow:
     completion_ids: list[int] | None = None
     logps: list[float] | None = None  # the behaviour policy's, per token
     mask: list[int] | None = None  # 1 for the model's tokens; None: all of them
+    advantage: float | None = None  # the advantage TRL gave the row (`Trajectory.advantage`)
 
 
 @dataclass
@@ -401,13 +341,13 @@ def collect(
     collecting: bool,
     stop_ids: set[int] | frozenset[int],
     micro_batches_left: int,
-    now: int,
+    clock: int,
     masks: Sequence[Sequence[int] | None] | None = None,
 ) -> PendingCollection:
     """What this rank will commit (algorithm §2, §4): every group with k > 0 (K/K retires it; before the delayed start
     only retirement counts), and, while collecting, the solved generated rows of groups with 0 < k < K whose completion
     the model ended: its last token is a stop token and the model's (a truncated completion, or a multi-turn one
-    whose last tokens a tool or an environment wrote, is never stored). `now`: the generation batch (the stamp of the
+    whose last tokens a tool or an environment wrote, is never stored). `clock`: the generation batch (the stamp of the
     trajectories); `masks`: per local row, 1 for the model's tokens (None: all of them)."""
     num_local = len(rows.inputs)
     offset = process_index * num_local
@@ -433,7 +373,7 @@ def collect(
             and (mask is None or bool(mask[len(ids) - 1]))
         ):
             stored[local] = StoredRow(global_row, key)
-    return PendingCollection(groups, stored, micro_batches_left, now)
+    return PendingCollection(groups, stored, micro_batches_left, clock)
 
 
 def commit(
@@ -452,7 +392,7 @@ def commit(
     if is_main_process:
         rows = sorted((row for _, rank_rows in gathered for row in rank_rows), key=lambda row: row.global_row)
         for row in rows:
-            trajectory = Trajectory(row.completion_ids, row.logps, collected_at, row.mask, row.record)
+            trajectory = Trajectory(row.completion_ids, row.logps, collected_at, row.mask, row.record, row.advantage)
             by_key.setdefault(row.key, []).append(trajectory)
     for g in groups:
         if is_main_process:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .buffer import row_images
+from .draw import draw
 from .experience import METRIC_PREFIX, ExGRPOState
 from .loss import ReplayTokenStats, aggregate_token_loss, shaped_replay_token_loss
 from .replay import (
@@ -41,10 +42,7 @@ from .replay import (
     batch_outcome,
     collect,
     commit,
-    draw_replay_questions,
-    select_trajectories,
     threshold_mismatch,
-    to_score,
 )
 from .settings import clip_removal_problem
 
@@ -181,26 +179,13 @@ class ExGRPORun:
         state, settings = self.state, self.state.settings
         if not (state.replay_active and settings.replays):
             return None
-        drawn = None
-        if state.ranks.is_main_process:
-            # The stored arrays themselves (int32 ids, float16 log-probs) are pickled as raw bytes for the broadcast,
-            # where Python lists cost ~5x the time and twice the bytes (see benchmarks/buffer_memory.py).
-            drawn = draw_replay_questions(state.buffer, settings, num_groups, state.clock)
-        drawn = state.ranks.broadcast(drawn)
-        if not drawn:
-            return None
-        scored = to_score(drawn, settings)
-        entropies = torch.empty(0)
-        if scored:  # every candidate of the questions that have more than one (all ranks, sharded)
-            # each candidate under the prompt it was sampled with (an environment's reset() may have completed it)
-            candidates = [(drawn[i].row, c) for i in scored for c in drawn[i].candidates]
-            entropies = score(
-                [row for row, _ in candidates],
-                [(c.record or {}).get("prompt", row["prompt"]) for row, c in candidates],
-                [c.completion_ids for _, c in candidates],
-                [c.mask for _, c in candidates],  # None: every token is the model's (single-turn)
-            )
-        return select_trajectories(drawn, scored, entropies, settings, num_groups=num_groups, clock=state.clock)
+        # On the main process the buffer draws; the stored arrays themselves (int32 ids, float16 log-probs) are pickled
+        # as raw bytes for the broadcast, where Python lists cost ~5x the time and twice the bytes (see
+        # benchmarks/buffer_memory.py); every rank scores the candidates (sharded) and selects.
+        return draw(
+            state.buffer, settings, num_groups, state.clock, is_main_process=state.ranks.is_main_process,
+            share=state.ranks.broadcast, score=score,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ 2. scored
     def scored(
@@ -259,8 +244,11 @@ class ExGRPORun:
             masks = [tool_mask[i, : len(ids)].tolist() for i, ids in enumerate(seen.completion_ids)]
         pending = self.pending = collect(
             rows, outcome, seen.completion_ids, process_index=state.ranks.process_index, k=k, collecting=collecting,
-            stop_ids=self.rollouts.stop_ids, micro_batches_left=micro_batches_left, now=batch.clock, masks=masks,
+            stop_ids=self.rollouts.stop_ids, micro_batches_left=micro_batches_left, clock=batch.clock, masks=masks,
         )  # fmt: skip
+        advantages = output["advantages"]  # TRL's, of this rank's rows: what a stored success carried (priority)
+        for local, stored in pending.rows.items():
+            stored.advantage = float(advantages[local])
         for local in list(pending.rows):
             try:
                 pending.rows[local].record = self._row_record(batch, local)
@@ -362,6 +350,8 @@ class ExGRPORun:
             metrics["replay/reuse"] = reuse
         if plan is not None and plan.with_trajectories:  # generation batches since each was collected: one subtraction
             metrics["replay/age"] = sum(plan.clock - c for c in plan.collected_at) / len(plan.collected_at)
+        if plan is not None and plan.uses:  # replays of each replayed trajectory, this one included
+            metrics["replay/uses"] = sum(plan.uses) / len(plan.uses)
         if plan is not None and plan.selected_entropies:
             metrics["replay/selected_entropy"] = sum(plan.selected_entropies) / len(plan.selected_entropies)
         state.add_metrics(self.metrics, metrics)

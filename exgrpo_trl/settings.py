@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 QUESTION_SELECTIONS = ("gaussian", "uniform")
+REPLAY_PRIORITIES = ("gaussian", "advantage")
 TRAJECTORY_SELECTIONS = ("lowest_entropy", "random", "highest_entropy")
 OFFLINE_GUIDANCE = ("all_groups", "unsolved")
 # TRL's loss types ExGRPO computes its replayed-token term for (loss.aggregate_token_loss), and those whose fresh
@@ -75,6 +76,31 @@ class ExGRPOSettings:
             "generation batches (it is replayed at most once every N + 1). When fewer questions are eligible than "
             "the replay count asks for, fewer groups are replayed and the rest are fresh. 0 (default): no limit, "
             "the paper's ExGRPO.",
+        },
+    )
+    replay_max_age: int | None = field(
+        default=None,
+        metadata={
+            "help": "Age limit: a stored trajectory collected more than N generation batches ago is neither replayed "
+            "nor kept (dropped at the next draw; a question left with none leaves the buffer, not retired). The "
+            "rollout-level buffer of arXiv 2606.04560 evicts rollouts older than tau_max training steps. None "
+            "(default): no limit, the paper's ExGRPO.",
+        },
+    )
+    replay_max_uses: int | None = field(
+        default=None,
+        metadata={
+            "help": "Use cap: a stored trajectory replayed N times leaves the buffer (a question left with none "
+            "leaves it too, not retired); Trinity-RFT's use_count_limit, Prompt Replay's max reuse (arXiv "
+            "2603.21177). None (default): no cap, the paper's ExGRPO.",
+        },
+    )
+    replay_priority: str = field(
+        default="gaussian",
+        metadata={
+            "help": "How replayed questions are weighted: 'gaussian' (ExGRPO: question_selection's rule) or "
+            "'advantage': in proportion to the |advantage| TRL gave the question's latest stored success when it "
+            "was collected (arXiv 2606.04560 samples rollouts by |advantage|), without replacement.",
         },
     )
     trajectory_selection: str = field(
@@ -218,6 +244,11 @@ class ExGRPOSettings:
             problem = _CHECKS.get(f.name, lambda v: None)(getattr(self, f.name))
             if problem:
                 raise ValueError(f"{f.name} {problem}")
+        if self.replay_priority == "advantage" and self.question_selection != "gaussian":
+            raise ValueError(
+                f"replay_priority 'advantage' replaces question_selection's rule; question_selection "
+                f"{self.question_selection!r} asks for another: set one of them"
+            )
         if isinstance(self.initial_experience, os.PathLike):  # a pathlib.Path from Python: kept as text (to_dict)
             self.initial_experience = os.fspath(self.initial_experience)
 
@@ -256,6 +287,15 @@ _CHECKS: dict[str, Any] = {
     "replay_cooldown": lambda v: (
         None if _is_int(v) and v >= 0 else f"must be an integer >= 0 (generation batches), got {v!r}."
     ),
+    "replay_max_age": lambda v: (
+        None
+        if v is None or (_is_int(v) and v >= 1)
+        else f"must be None or an integer >= 1 (generation batches), got {v!r}."
+    ),
+    "replay_max_uses": lambda v: (
+        None if v is None or (_is_int(v) and v >= 1) else f"must be None or an integer >= 1 (replays), got {v!r}."
+    ),
+    "replay_priority": _one_of(REPLAY_PRIORITIES),
     "trajectory_selection": _one_of(TRAJECTORY_SELECTIONS),
     # a float such as 2.5 would silently shortlist 2 (slicing) or fail later
     "max_trajectory_candidates": lambda v: (
@@ -320,6 +360,9 @@ CARD_LABELS = {
     "offline_solutions_column": "offline solutions column (None: no offline guidance)",
     "offline_guidance": "offline guidance (which fresh groups get a solution)",
     # shown when set to other than their default (`card_rows`)
+    "replay_max_age": "age limit (generation batches a stored trajectory is kept; None: no limit)",
+    "replay_max_uses": "use cap (replays of a stored trajectory; None: no cap)",
+    "replay_priority": "question priority",
     "success_reward_threshold": "success threshold (weighted total reward >=)",
     "skip_retired_questions": "retired questions skipped when fresh ones are drawn",
     "skip_retired_without_replay": "retired questions skipped at replay ratio 0 too",
@@ -331,7 +374,8 @@ CARD_LABELS = {
 CARD_ALWAYS = tuple(list(CARD_LABELS)[:12])  # the main settings, shown whatever their value
 # The experience buffer's sampling settings (`sampling_settings`) -> the key its saved state keeps each under.
 STATE_KEYS = {"replay_mu": "mu", "replay_sigma": "sigma", "question_selection": "question_selection",
-              "replay_cooldown": "cooldown"}  # fmt: skip
+              "replay_cooldown": "cooldown", "replay_max_age": "max_age", "replay_max_uses": "max_uses",
+              "replay_priority": "priority"}  # fmt: skip
 
 
 def settings_fields() -> tuple:

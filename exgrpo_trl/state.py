@@ -492,13 +492,14 @@ _KINDS = {  # how a field's expected kind is named in messages -> the test
     "a non-negative integer": lambda v: _is_int(v) and v >= 0,
     "a positive integer": lambda v: _is_int(v) and v > 0,
     "a number": lambda v: _is_int(v) or isinstance(v, float),
+    "a number or null": lambda v: v is None or _is_int(v) or isinstance(v, float),
     "an integer or null": lambda v: v is None or _is_int(v),
     "an object or null": lambda v: v is None or isinstance(v, dict),
     "a string or null": lambda v: v is None or isinstance(v, str),
     "a pair": lambda v: isinstance(v, list) and len(v) == 2,
 }
 # A setting's default -> the kind its saved value must be
-_KIND_OF = {float: "a number", str: "a string", int: "a non-negative integer"}
+_KIND_OF = {float: "a number", str: "a string", int: "a non-negative integer", type(None): "an integer or null"}
 
 
 def _describe(value) -> str:
@@ -563,6 +564,10 @@ def _check_shape(path: Path, meta: dict[str, Any]) -> None:
         _field(path, question, "bucket_position", where, "an integer", optional=True)  # older states lack it
         for j, record in enumerate(_field(path, question, "records", where, "an array", optional=True) or []):
             _expect(path, f"{where}.records[{j}]", record, "an object or null")  # format 2 only
+        for j, uses in enumerate(_field(path, question, "uses", where, "an array", optional=True) or []):
+            _expect(path, f"{where}.uses[{j}]", uses, "a non-negative integer")  # states before the count: none
+        for j, value in enumerate(_field(path, question, "advantages", where, "an array", optional=True) or []):
+            _expect(path, f"{where}.advantages[{j}]", value, "a number or null")
     for i, key in enumerate(_field(path, buffer, "retired", "buffer", "an array")):
         _expect(path, f"buffer.retired[{i}]", key, "a string")
     # when questions were replayed: in generation batches ("clock", "replayed_at", "recent"); states written before

@@ -11,10 +11,12 @@ inputs with TRL's own generation (`tests/trainer/test_vlm.py`'s tiny Qwen2-VL). 
 mode samples without a seed, so two runs of one commit differ. Each is
 trained twice, as the tests train it (fixed seed, one CPU thread, 3-6 steps): with replay on from the first step, and
 at `replay_ratio=0`. A run's fingerprint is the sha256 of its final weights (every tensor of the state dict, bytes and
-dtype), of its experience buffer (the arrays and metadata it checkpoints) and of its log history (every logged value
-but wall times). The two commits' code (`exgrpo_trl`) is taken from each commit in turn; everything else (the tests'
-models, data, rewards and cases) from this working tree, so both sides train the same modes the same way. Each side
-runs in a process of its own, both at once.
+dtype), of its experience buffer (the trajectories and metadata it checkpoints, restricted to the fields every version
+has: `buffer_hash`) and of its log history (every logged value but wall times; a key only one side logs, a metric
+added, is named beside the verdict and the rows are compared on the keys both log). The two commits' code
+(`exgrpo_trl`) is taken from each commit in turn; everything else (the tests' models, data, rewards and cases) from
+this working tree, so both sides train the same modes the same way. Each side runs in a process of its own, both at
+once.
 
 It prints one line per mode and variant (`same`, or what differs: weights, buffer, logs, with the first differing log
 entry), then a summary, and exits 0 when every run is the same at both commits, 1 otherwise. A mode that fails at one
@@ -55,13 +57,29 @@ def weights_hash(model) -> str:
     )
 
 
+# What a buffer held before the draw's optional rules existed (the fields every version has): a field added since (a
+# trajectory's advantage and use count, a new setting's key) is state the older side cannot have, so it is left out of
+# the comparison and named in the summary instead (`ADDED`).
+BUFFER_CONFIG = ("num_generations", "mu", "sigma", "question_selection", "cooldown", "seed")
+QUESTION_FIELDS = ("key", "k", "num_trajectories", "bucket_position", "row", "records")
+ADDED = "per trajectory: its advantage when collected and its use count; buffer config: max_age, max_uses, priority"
+
+
 def buffer_hash(buffer) -> str:
+    """sha256 of the buffer as training reads it: every trajectory's token ids, behaviour log-probs, stamp and mask in
+    stored order, and the checkpointed metadata (questions, buckets' order, rows, records, the retired set, the
+    generator's state, when questions were replayed), restricted to the fields every version has."""
     import numpy as np
 
-    arrays, meta = buffer.state_dict()
-    parts = [
-        x for name in sorted(arrays) for x in (name, arrays[name].dtype, np.ascontiguousarray(arrays[name]).tobytes())
-    ]
+    parts = []
+    for entry in buffer.questions.values():
+        for t in entry.trajectories:
+            mask = b"" if t.mask is None else np.ascontiguousarray(t.mask).tobytes()
+            parts += [np.ascontiguousarray(t.completion_ids).tobytes(), np.ascontiguousarray(t.logps).tobytes(),
+                      str(int(t.collected_at)), mask]  # fmt: skip
+    meta = buffer.state_meta()
+    meta["config"] = {k: v for k, v in meta["config"].items() if k in BUFFER_CONFIG}
+    meta["questions"] = [{k: v for k, v in q.items() if k in QUESTION_FIELDS} for q in meta["questions"]]
     return _sha([*parts, json.dumps(meta, sort_keys=True, default=_plain)])
 
 
@@ -169,6 +187,15 @@ def run_fingerprints(tree: Path, out: Path, only: list[str]) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ comparing
+def common_keys(a: list[dict], b: list[dict]) -> tuple[list[dict], list[dict], set[str]]:
+    """Both sides' log rows restricted to the keys both log, and the keys only one side logs (a metric added)."""
+    keys_a = {k for row in a for k in row}
+    keys_b = {k for row in b for k in row}
+    both = keys_a & keys_b
+    return [{k: v for k, v in r.items() if k in both} for r in a], [{k: v for k, v in r.items() if k in both}
+                                                                     for r in b], keys_a ^ keys_b  # fmt: skip
+
+
 def first_log_difference(a: list[dict], b: list[dict]) -> str:
     for i, (x, y) in enumerate(zip(a, b)):
         for key in sorted(set(x) | set(y)):
@@ -190,10 +217,14 @@ def compare(base: dict[tuple, dict], head: dict[tuple, dict]) -> list[tuple[str,
                 if ("error" in a) != ("error" in b) else f"fails differently: {a['error']} / {b['error']}"
             )  # fmt: skip
         else:
-            differ = [part for part in ("weights", "buffer", "logs") if a[part] != b[part]]
+            logs_a, logs_b, one_side = common_keys(a["log_rows"], b["log_rows"])
+            differ = [part for part in ("weights", "buffer") if a[part] != b[part]] + (["logs"] if logs_a != logs_b
+                                                                                      else [])  # fmt: skip
             verdict = "same" if not differ else "DIFFERS: " + ", ".join(differ)
             if "logs" in differ:
-                verdict += f" ({first_log_difference(a['log_rows'], b['log_rows'])})"
+                verdict += f" ({first_log_difference(logs_a, logs_b)})"
+            if one_side:
+                verdict += f" (logged at one side only: {', '.join(sorted(one_side))})"
         rows.append((*key, verdict))
     return rows
 
@@ -274,7 +305,9 @@ def main(argv=None) -> int:
     )
     for mode, variant, verdict in rows:
         status, _, detail = verdict.partition(": ")
-        status = "same" if status.startswith("same") else "DIFFERS" if status == "DIFFERS" else "FAILS"
+        if verdict.startswith("same"):  # "same", "same (both failed)", "same (logged at one side only: ...)"
+            status, detail = "same", verdict[len("same") :].strip()
+        status = "same" if status == "same" else "DIFFERS" if status == "DIFFERS" else "FAILS"
         print(
             f"  {status:<8} {mode} [{variant}]" + (f": {verdict if status == 'FAILS' else detail}" if detail else "")
         )
@@ -283,6 +316,7 @@ def main(argv=None) -> int:
         r["replayed"] > 0 for r in read(outs[1]).values() if r.get("variant") == "replay" and "replayed" in r
     )
     print(f"{same} of {len(rows)} the same; replay fired in {replayed} of the replay-on runs; records in {records}")
+    print(f"(not compared, as only newer versions hold them: {ADDED})")
     return 0 if same == len(rows) and rows else 1
 
 

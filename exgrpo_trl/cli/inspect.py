@@ -100,6 +100,10 @@ def summarize(checkpoint: str | Path, *, verify: bool = False) -> dict[str, Any]
     per_trajectory_bytes = lengths.size * (itemsize["lengths"] + itemsize["steps"])
     files = {name: (state_dir / name).stat().st_size for name in (ARRAYS_FILENAME, META_FILENAME)}
     trainer = meta["trainer"]
+    clock = trainer.get("generation_batches")
+    ages = clock - steps if clock is not None and buffer.get("clock") == CLOCK else None
+    uses = np.array([u for q in buffer["questions"] for u in q.get("uses", [0] * q["num_trajectories"])], np.int64)
+    config = buffer["config"]
     return {
         "path": str(state_dir),
         "format_version": meta["format_version"],
@@ -115,6 +119,17 @@ def summarize(checkpoint: str | Path, *, verify: bool = False) -> dict[str, Any]
             "max": int(lengths.max()) if lengths.size else 0,
         },
         "collected_steps": [int(steps.min()), int(steps.max())] if steps.size else None,
+        # generation batches since each trajectory was collected (None: a state whose stamps are optimizer steps)
+        "age": None
+        if ages is None or not ages.size
+        else {"min": int(ages.min()), "median": float(np.median(ages)), "max": int(ages.max())},
+        "uses": {"replays": int(uses.sum()), "replayed": int((uses > 0).sum()), "max": int(uses.max(initial=0))},
+        "rules": {
+            "max_age": config.get("max_age"),
+            "max_uses": config.get("max_uses"),
+            "priority": config.get("priority", "gaussian"),
+            "cooldown": config.get("cooldown", 0),
+        },
         # what a trajectory's stamp counts: generation batches; optimizer steps in states written before the clock
         "collected_unit": "generation batches" if buffer.get("clock") == CLOCK else "steps",
         "bytes": {
@@ -156,6 +171,18 @@ def format_summary(s: dict[str, Any]) -> str:
     if s["collected_steps"]:
         first, last = s["collected_steps"]
         lines.append(f"collected at  {s.get('collected_unit', 'steps')} {first} to {last}")
+    if s.get("age"):
+        a = s["age"]
+        lines.append(f"age           {a['min']} to {a['max']} generation batches (median {a['median']:g})")
+    u, r = s["uses"], s["rules"]
+    lines.append(f"replayed      {u['replays']:,} replays of {u['replayed']:,} stored trajectories (most: {u['max']})")
+    limits = [
+        f"age limit {r['max_age']}" if r["max_age"] is not None else "no age limit",
+        f"use cap {r['max_uses']}" if r["max_uses"] is not None else "no use cap",
+        f"reuse limit {r['cooldown']}" if r["cooldown"] else "no reuse limit",
+        f"priority {r['priority']}",
+    ]
+    lines.append(f"draw rules    {', '.join(limits)}")
     t = s["trainer"]
     active = {True: "on", False: "off (delayed start)"}.get(t["replay_active"], "unknown")
     lines.append(f"replay        {active}; {t['generation_batches']} generation batches so far")
@@ -184,7 +211,13 @@ def show_questions(checkpoint: str | Path, n: int, tokenizer: str | None = None)
         ids = [t.completion_ids.tolist() for t in entry.trajectories]
         texts = decoder.batch_decode(ids, skip_special_tokens=True) if ids else []
         trajectories = [
-            {"completion": text, "num_tokens": len(t_ids), "collected_at": t.collected_at}
+            {
+                "completion": text,
+                "num_tokens": len(t_ids),
+                "collected_at": t.collected_at,
+                "uses": t.uses,
+                "advantage": t.advantage,
+            }
             for text, t_ids, t in zip(texts, ids, entry.trajectories)
         ]
         question = {"key": key, "prompt": entry.row.get("prompt"), "images": count_row_images(entry.row)}
@@ -214,8 +247,11 @@ def format_shown(shown: list[dict[str, Any]], num_questions: int, num_generation
         lines += ["", f"question {i}  k {q['k']} of {num_generations}, {count}{images}  (key {q['key']})", "  prompt"]
         lines += _prompt_lines(q["prompt"])
         for j, t in enumerate(q["trajectories"], 1):
+            extra = f", replayed {t.get('uses', 0)} time{'' if t.get('uses') == 1 else 's'}"
+            if t.get("advantage") is not None:
+                extra += f", advantage {t['advantage']:+.4g} when collected"
             lines.append(
-                f"  trajectory {j}: {t['num_tokens']} tokens, collected in generation batch {t['collected_at']}"
+                f"  trajectory {j}: {t['num_tokens']} tokens, collected in generation batch {t['collected_at']}{extra}"
             )
             lines += _indented(t["completion"])
     return "\n".join(lines)

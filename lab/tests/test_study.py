@@ -249,8 +249,8 @@ def test_batch_record_ages_and_buckets():
 
     buffer = ExperienceBuffer(4)
     buffer.update_group("q", 2, {"prompt": "q"}, [Trajectory([5, 1], [-0.5, -0.25], 3)])  # q: 2 of 4, bucket 2
-    buffer.mark_replayed(["q"], now=0)
-    buffer.mark_replayed(["q", "r"], now=1)  # reuse: 3 replays of 2 questions over the window
+    buffer.mark_replayed(["q"], clock=0)
+    buffer.mark_replayed(["q", "r"], clock=1)  # reuse: 3 replays of 2 questions over the window
     plan = SimpleNamespace(collected_at=[1, 2], clock=4, with_trajectories=True, buckets=[2, 3], repeat_share=0.5)
     # generation batch 4 (update 8, two updates a batch): trajectories collected in batches 1 and 2 are 3 and 2
     # batches, 6 and 4 updates old

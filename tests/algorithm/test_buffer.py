@@ -14,6 +14,7 @@ from exgrpo_trl.buffer import (
     question_key,
     shortlist_candidates,
 )
+from exgrpo_trl.draw import choose_questions
 from exgrpo_trl.settings import ExGRPOSettings
 
 
@@ -59,11 +60,11 @@ def test_sampling_caps_buckets_and_never_repeats():
     # (together ~64% of the mass) give all they have, the remaining 9 come from bucket 1.
     buffer = filled({4: 2, 3: 1, 1: 10})
     for _ in range(20):
-        picked = buffer.sample_questions(12, now=0)
+        picked = choose_questions(buffer, 12, clock=0)
         assert len(picked) == len(set(picked)) == 12
         per_bucket = {b: sum(key.startswith(f"b{b}-") for key in picked) for b in (1, 3, 4)}
         assert per_bucket == {4: 2, 3: 1, 1: 9}
-    assert sorted(buffer.sample_questions(100, now=0)) == sorted(buffer.questions)  # capped at the buffer's size
+    assert sorted(choose_questions(buffer, 100, clock=0)) == sorted(buffer.questions)  # capped at the buffer's size
 
 
 def test_sampling_frequencies_follow_bucket_probabilities():
@@ -72,7 +73,7 @@ def test_sampling_frequencies_follow_bucket_probabilities():
     draws = 20000
     counts = dict.fromkeys(range(1, 8), 0)
     for _ in range(draws):
-        (key,) = buffer.sample_questions(1, now=0)
+        (key,) = choose_questions(buffer, 1, clock=0)
         counts[int(key[1])] += 1
     for b, p in probs.items():
         sigma = math.sqrt(p * (1 - p) / draws)
@@ -82,7 +83,7 @@ def test_sampling_frequencies_follow_bucket_probabilities():
 def test_uniform_question_selection_ignores_buckets():
     buffer = filled({1: 30, 4: 30}, question_selection="uniform", seed=1)
     draws = 4000
-    bucket1 = sum(buffer.sample_questions(1, now=0)[0].startswith("b1-") for _ in range(draws))
+    bucket1 = sum(choose_questions(buffer, 1, clock=0)[0].startswith("b1-") for _ in range(draws))
     # uniform over 60 questions: P(bucket 1) = .5, sigma = sqrt(.25 / 4000) = .0079
     assert abs(bucket1 / draws - 0.5) < 4.5 * 0.0079
 
@@ -92,9 +93,9 @@ def test_sampling_reproducible_from_seed_and_leaves_global_rngs_alone():
     np.random.seed(123)
     random.seed(123)
     before = (torch.get_rng_state().clone(), np.random.get_state()[1].copy(), random.getstate())
-    a = [filled({1: 5, 3: 5, 4: 5, 6: 5}, seed=7).sample_questions(6, now=0) for _ in range(2)]
+    a = [choose_questions(filled({1: 5, 3: 5, 4: 5, 6: 5}, seed=7), 6, clock=0) for _ in range(2)]
     b = filled({1: 5, 3: 5, 4: 5, 6: 5}, seed=8)
-    b_draws = [b.sample_questions(6, now=0) for _ in range(5)]
+    b_draws = [choose_questions(b, 6, clock=0) for _ in range(5)]
     after = (torch.get_rng_state(), np.random.get_state()[1], random.getstate())
     assert a[0] == a[1]  # same seed, same contents: same draw
     assert any(d != a[0] for d in b_draws)  # another seed draws differently
@@ -116,7 +117,7 @@ def test_update_group_buckets_retirement_and_dedup():
     buffer.update_group("q", 8)  # K/K: retired, removed
     assert "q" not in buffer and buffer.retired == {"q"} and buffer.num_trajectories == 0
     assert buffer.update_group("q", 4, row, [traj(9)]) == 0 and "q" not in buffer  # retirement is permanent
-    assert buffer.sample_questions(3, now=0) == []
+    assert choose_questions(buffer, 3, clock=0) == []
     with pytest.raises(ValueError, match="success count"):
         buffer.update_group("q", 9)
 
@@ -158,37 +159,37 @@ def test_shortlist_keeps_the_lowest_stored_nll_in_stored_order():
 
 def test_reuse_limit_by_hand():
     # replay_cooldown N = 2: a question replayed in generation batch b sits out b+1 and b+2 and is eligible again in
-    # b+3. 4 questions, 3 asked for per batch (draws are closed by mark_replayed, as draw_replay_questions does):
+    # b+3. 4 questions, 3 asked for per batch (draws are closed by mark_replayed, as draw_questions does):
     #   batch 0: all 4 eligible -> 3 drawn (A)          batch 1: only the 4th (not in A) is eligible -> 1 drawn
     #   batch 2: none eligible (A sat out 1, 2; the 4th sits out 2, 3) -> 0 drawn: every group of the batch is fresh
     #   batch 3: A eligible again (3 - 0 > 2), the 4th not (3 - 1 = 2) -> exactly A again
     buffer = filled({3: 2, 4: 2}, replay_cooldown=2)
-    first = buffer.sample_questions(3, now=0)
-    assert len(first) == 3 and buffer.mark_replayed(first, now=0) == [False] * 3
-    second = buffer.sample_questions(3, now=1)
-    assert second == sorted(set(buffer.questions) - set(first)) and buffer.mark_replayed(second, now=1) == [False]
-    assert buffer.sample_questions(3, now=2) == [] and buffer.mark_replayed([], now=2) == []
-    fourth = buffer.sample_questions(3, now=3)
+    first = choose_questions(buffer, 3, clock=0)
+    assert len(first) == 3 and buffer.mark_replayed(first, clock=0) == [False] * 3
+    second = choose_questions(buffer, 3, clock=1)
+    assert second == sorted(set(buffer.questions) - set(first)) and buffer.mark_replayed(second, clock=1) == [False]
+    assert choose_questions(buffer, 3, clock=2) == [] and buffer.mark_replayed([], clock=2) == []
+    fourth = choose_questions(buffer, 3, clock=3)
     assert sorted(fourth) == sorted(first)
-    assert buffer.mark_replayed(fourth, now=3) == [False] * 3  # replayed in batch 0, not in batch 2: no repeat
+    assert buffer.mark_replayed(fourth, clock=3) == [False] * 3  # replayed in batch 0, not in batch 2: no repeat
     assert (buffer.replayed_at[second[0]], buffer.replayed_at[first[0]]) == (1, 3)
     # the clock is the run's: batches before replay started (no draw) count too, 10 - 3 > 2
-    assert sorted(buffer.sample_questions(4, now=10)) == sorted(buffer.questions)
+    assert sorted(choose_questions(buffer, 4, clock=10)) == sorted(buffer.questions)
 
 
 def test_reuse_limit_gaussian_over_eligible_buckets_and_repeat_flags():
     # Bucket 4 (weight 1) holds 1 question, bucket 1 (weight e^-4.5) holds 5. Without a limit a draw of 1 almost
     # always takes bucket 4's question, and every draw after the first is a repeat (batch b-1 had it too).
     plain = filled({4: 1, 1: 5}, seed=1)
-    flags = [plain.mark_replayed(plain.sample_questions(1, now=b), now=b) for b in range(50)]
+    flags = [plain.mark_replayed(choose_questions(plain, 1, clock=b), clock=b) for b in range(50)]
     assert sum(f == [True] for f in flags) >= 45
     # With a limit of 1 it can be drawn at most every other batch; in between, the Gaussian renormalises over the
     # buckets that hold an eligible question (bucket 1 alone): a draw never comes back empty, never repeats.
     limited = filled({4: 1, 1: 5}, seed=1, replay_cooldown=1)
     drawn = []
     for b in range(50):
-        keys = limited.sample_questions(1, now=b)
-        assert len(keys) == 1 and limited.mark_replayed(keys, now=b) == [False]
+        keys = choose_questions(limited, 1, clock=b)
+        assert len(keys) == 1 and limited.mark_replayed(keys, clock=b) == [False]
         drawn += keys
     assert all(a != b for a, b in zip(drawn, drawn[1:]))
     assert drawn.count("b4-0") >= 20  # taken at nearly every draw it is eligible for (p = 1 / (1 + e^-4.5) = .989)
@@ -198,19 +199,19 @@ def test_reuse_limit_is_state_and_off_changes_nothing():
     # Draws are the same whatever the clock says when there is no limit (the paper): same seed, same keys.
     a, b = filled({2: 6, 4: 6, 6: 6}, seed=7), filled({2: 6, 4: 6, 6: 6}, seed=7)
     for t in range(5):
-        keys = a.sample_questions(4, now=t)
-        a.mark_replayed(keys, now=t)
-        assert keys == b.sample_questions(4, now=100 + t)
+        keys = choose_questions(a, 4, clock=t)
+        a.mark_replayed(keys, clock=t)
+        assert keys == choose_questions(b, 4, clock=100 + t)
     # When questions were replayed is saved and restored: a restored buffer with a limit draws what the original draws
     c = filled({2: 6, 4: 6, 6: 6}, seed=7, replay_cooldown=3)
     for t in range(3):
-        c.mark_replayed(c.sample_questions(4, now=t), now=t)
+        c.mark_replayed(choose_questions(c, 4, clock=t), clock=t)
     arrays, meta = c.state_dict()
     assert meta["clock"] == "generation_batches" and meta["config"]["cooldown"] == 3  # the key states always had
     d = ExperienceBuffer(8, ExGRPOSettings(replay_cooldown=3))
     d.load_state_dict(arrays, meta)
     assert d.replayed_at == c.replayed_at and max(d.replayed_at.values()) == 2
-    assert d.sample_questions(6, now=3) == c.sample_questions(6, now=3)
+    assert choose_questions(d, 6, clock=3) == choose_questions(c, 6, clock=3)
     # a retired question leaves the record; the limit is named by its option when a resume changes it
     key = next(iter(c.replayed_at))
     c.retire(key)
@@ -235,7 +236,7 @@ def test_a_state_that_counted_draws_is_moved_onto_the_clock():
     assert restored.replayed_at == {keys[0]: 5, keys[1]: 6}  # + (7 - 3)
     assert list(restored.recent) == [(4, [keys[2]]), (5, [keys[0]]), (6, [keys[1]])]
     assert [t.collected_at for t in restored.iter_trajectories()] == [0, 3, 5, 6]  # step // 2
-    assert sorted(restored.sample_questions(4, now=7)) == sorted(keys[2:])  # keys 0, 1 sit out batch 7 (7 - 6 <= 2)
+    assert sorted(choose_questions(restored, 4, clock=7)) == sorted(keys[2:])  # keys 0, 1 sit out batch 7 (7 - 6 <= 2)
     restored.load_state_dict(arrays, {k: v for k, v in old.items() if k not in ("draws", "replayed_at")})
     assert restored.replayed_at == {} and [t.collected_at for t in restored.iter_trajectories()] == [0, 6, 10, 13]
 
@@ -244,17 +245,17 @@ def test_reuse_is_replays_per_distinct_question_over_the_window_and_is_state():
     buffer = filled({3: 3})
     a, b, c = list(buffer.questions)
     assert buffer.reuse() is None  # nothing drawn yet
-    buffer.mark_replayed([a, b], now=0)
+    buffer.mark_replayed([a, b], clock=0)
     assert buffer.reuse() == 1.0  # 2 replays of 2 questions
-    buffer.mark_replayed([a, c], now=1)
-    buffer.mark_replayed([a], now=2)
-    buffer.mark_replayed([], now=3)  # a batch that replayed nothing
+    buffer.mark_replayed([a, c], clock=1)
+    buffer.mark_replayed([a], clock=2)
+    buffer.mark_replayed([], clock=3)  # a batch that replayed nothing
     assert buffer.reuse() == pytest.approx(5 / 3)  # a three times, b and c once: 5 replays of 3 questions
     # the window holds the last REUSE_WINDOW (50) generation batches: 46 more draws of c, batches 4-49
     for t in range(4, 50):
-        buffer.mark_replayed([c], now=t)
+        buffer.mark_replayed([c], clock=t)
     assert buffer.reuse() == pytest.approx((5 + 46) / 3)
-    buffer.mark_replayed([c], now=50)  # batch 50 pushes out batch 0 ([a, b]): a twice, c 48 times, b gone
+    buffer.mark_replayed([c], clock=50)  # batch 50 pushes out batch 0 ([a, b]): a twice, c 48 times, b gone
     assert buffer.reuse() == pytest.approx((2 + 48) / 2)
     # a retired question's replays stay in the window (they happened), and the window is saved and restored
     buffer.retire(a)
@@ -263,7 +264,7 @@ def test_reuse_is_replays_per_distinct_question_over_the_window_and_is_state():
     restored.load_state_dict(arrays, meta)
     assert list(restored.recent) == list(buffer.recent) and restored.reuse() == pytest.approx(25.0)
     # batches with no draw (replay not started) leave the window by the clock: 60 batches later it is empty
-    buffer.mark_replayed([], now=110)
+    buffer.mark_replayed([], clock=110)
     assert buffer.reuse() is None
     # a state saved before the figure existed restores with an empty window
     old = {k: v for k, v in meta.items() if k not in ("recent", "clock")}

@@ -26,6 +26,8 @@ def test_defaults_are_the_papers(tmp_path):
     # the one default that is not the paper's (README, "Decisions"): scoring is bounded to 4 shortlisted candidates
     assert cfg.max_trajectory_candidates == 4
     assert cfg.replay_cooldown == 0  # no reuse limit: the paper's ExGRPO
+    # the literature's replay rules, each off: no age limit, no use cap, ExGRPO's Gaussian
+    assert (cfg.replay_max_age, cfg.replay_max_uses, cfg.replay_priority) == (None, None, "gaussian")
 
 
 def test_every_field_has_help():
@@ -40,6 +42,9 @@ def test_every_field_has_help():
         "replay_mu",
         "replay_sigma",
         "replay_cooldown",
+        "replay_max_age",
+        "replay_max_uses",
+        "replay_priority",
         "question_selection",
         "trajectory_selection",
         "policy_shaping_gamma",

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from exgrpo_trl.buffer import ExperienceBuffer, Trajectory, question_key
+from exgrpo_trl.draw import draw_questions, select_lowest
 from exgrpo_trl.replay import (
     GroupOutcome,
     ReplayPlan,
@@ -16,9 +17,7 @@ from exgrpo_trl.replay import (
     batch_outcome,
     collect,
     commit,
-    draw_replay_questions,
     replay_count,
-    select_lowest,
 )
 from exgrpo_trl.sampler import SkipRetiredSampler
 from exgrpo_trl.settings import ExGRPOSettings
@@ -45,9 +44,9 @@ def test_select_lowest_takes_the_first_on_ties():
     assert select_lowest(scores, highest=True) == 0
 
 
-def draw(buffer, now=0, **settings):
-    """Draw one generation batch of 2 groups at the paper's replay ratio 0.5 (one replayed question) in batch `now`."""
-    return draw_replay_questions(buffer, ExGRPOSettings(**settings), 2, now)
+def draw(buffer, clock=0, **settings):
+    """Draw one generation batch of 2 groups at the paper's replay ratio 0.5 (one replayed question) in `clock`."""
+    return draw_questions(buffer, ExGRPOSettings(**settings), 2, clock)
 
 
 def one_question_buffer(nlls):
@@ -69,7 +68,7 @@ def test_draw_shortlists_by_stored_likelihood():
     assert [t.completion_ids[0] for t in drawn.candidates] == [10, 12]
     (drawn,) = draw(buffer, max_trajectory_candidates=None)
     assert [t.completion_ids[0] for t in drawn.candidates] == [10, 11, 12, 13]
-    assert draw_replay_questions(buffer, ExGRPOSettings(replay_ratio=0.5), 1, 0) == []  # floor(0.5 x 1) = 0
+    assert draw_questions(buffer, ExGRPOSettings(replay_ratio=0.5), 1, 0) == []  # floor(0.5 x 1) = 0
 
 
 def test_draws_carry_bucket_and_repeat_into_the_plan():
@@ -77,23 +76,23 @@ def test_draws_carry_bucket_and_repeat_into_the_plan():
     # a reuse limit of 1 it sits out the second batch (nothing drawn: the plan is empty) and is no repeat in the third.
     buffer = one_question_buffer([0.5])
     plans = []
-    for now in range(3):
-        drawn = draw(buffer, now)
-        plans.append(ReplayPlan.build(drawn, [0] * len(drawn), num_groups=3, clock=now))
+    for clock in range(3):
+        drawn = draw(buffer, clock)
+        plans.append(ReplayPlan.build(drawn, [0] * len(drawn), num_groups=3, clock=clock))
     assert [(p.buckets, p.repeats, p.repeat_share) for p in plans] == [([2], [False], 0.0), ([2], [True], 1.0)] * 1 + [
         ([2], [True], 1.0)
     ]
     assert [(p.clock, p.collected_at) for p in plans] == [(0, [0]), (1, [0]), (2, [0])]  # collected in batch 0
     limited = one_question_buffer([0.5])
     limited.settings = ExGRPOSettings(replay_cooldown=1)
-    sizes = [[(q.bucket, q.repeat) for q in draw(limited, now, replay_cooldown=1)] for now in range(3)]
+    sizes = [[(q.bucket, q.repeat) for q in draw(limited, clock, replay_cooldown=1)] for clock in range(3)]
     assert sizes == [[(2, False)], [], [(2, False)]]
 
 
 def test_draw_random_picks_one_by_the_buffer_generator():
     buffer = one_question_buffer([0.5, 0.125, 0.875, 0.25])
     expected = np.random.default_rng(0)  # the buffer's own generator, seeded 0: same draws in the same order
-    expected.choice(1)  # sample_questions draws the question first (one question: index 0)
+    expected.choice(1)  # choose_questions draws the question first (one question: index 0)
     (drawn,) = draw(buffer, trajectory_selection="random", max_trajectory_candidates=2)
     assert len(drawn.candidates) == 1  # the cap does not apply: one uniform draw over all four
     assert drawn.candidates[0].completion_ids[0] in (10, 11, 12, 13)
@@ -183,7 +182,7 @@ def test_collect_stores_solved_untruncated_fresh_rows_of_mixed_groups():
         collecting=True,
         stop_ids={EOS, 0},
         micro_batches_left=2,
-        now=7,
+        clock=7,
     )
     assert [(g.group, g.key, g.k, g.row) for g in pending.groups] == [
         (0, question_key("p0"), 2, {"prompt": "p0"}),
@@ -205,7 +204,7 @@ def test_collect_stores_solved_untruncated_fresh_rows_of_mixed_groups():
         collecting=False,
         stop_ids={EOS, 0},
         micro_batches_left=2,
-        now=7,
+        clock=7,
     )
     assert [(g.group, g.row) for g in off.groups] == [(0, None), (1, None), (2, None)] and off.rows == {}
 
@@ -225,7 +224,7 @@ def test_collect_reports_a_group_on_the_rank_holding_its_first_row():
         collecting=True,
         stop_ids={EOS},
         micro_batches_left=1,
-        now=0,
+        clock=0,
     )
     assert [(g.group, g.k) for g in pending.groups] == [(1, 1)]  # group 0 (k = 0, on rank 0) is not reported
     assert {local: r.global_row for local, r in pending.rows.items()} == {0: 4}

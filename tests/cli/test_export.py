@@ -104,8 +104,12 @@ def test_inspect_show_prints_questions_as_text(run, tokenizer, capsys):
         expected += ["  prompt", f"    {entry.row['prompt']}"]
         for j, t in enumerate(entry.trajectories, 1):
             text = tokenizer.decode(t.completion_ids.tolist(), skip_special_tokens=True)
+            # its use count, and the advantage TRL gave it when it was collected
+            times = "time" if t.uses == 1 else "times"
+            extra = f", replayed {t.uses} {times}, advantage {t.advantage:+.4g} when collected"
             expected += [
                 f"  trajectory {j}: {t.completion_ids.size} tokens, collected in generation batch {t.collected_at}"
+                + extra
             ]
             expected += [f"    {text}" if text else "    (empty)"]
     assert out[len(summary) :].splitlines() == expected
@@ -164,12 +168,13 @@ def test_export_errors_are_one_line(run, tmp_path, capsys):
 
 
 def _exported(state):
-    """What an export carries of a buffer's state: every array (ids, log-probs, lengths, steps) and each question's
-    key, k, row and number of trajectories, in buffer order. Not carried, so not compared: the sampler's random
-    generator state, the retired set (a fresh run's is empty) and each question's position in its bucket."""
+    """What an export carries of a buffer's state: the arrays (ids, log-probs, lengths) and each question's key, k,
+    row and number of trajectories, in buffer order. Not carried, so not compared: the sampler's random generator
+    state, the retired set (a fresh run's is empty), each question's position in its bucket, and the stamps: a seeded
+    trajectory is put on the new run's clock (collected at 0)."""
     arrays, meta = state
     questions = [{k: q[k] for k in ("key", "k", "row", "num_trajectories")} for q in meta["questions"]]
-    return arrays, questions, meta["config"]
+    return {k: v for k, v in arrays.items() if k != "steps"}, questions, meta["config"]
 
 
 @pytest.mark.parametrize("source", ["out", "parquet"])
@@ -177,6 +182,7 @@ def test_seeding_with_the_same_tokenizer_restores_the_buffer(run, tmp_path, toke
     with caplog.at_level(logging.INFO, logger="exgrpo_trl.trainer"):
         seeded = make_trainer(tmp_path, tokenizer, **SMALL, initial_experience=str(run[source])).exgrpo_state.buffer
     assert _exported(state_of(seeded)) == _exported(state_of(run["buffer"]))
+    assert set(state_of(run["buffer"])[0]["steps"]) != {0} and set(state_of(seeded)[0]["steps"]) == {0}
     assert not seeded.retired
     buffer = run["buffer"]
     messages = [r.getMessage() for r in caplog.records if r.name == "exgrpo_trl.trainer"]
@@ -218,9 +224,8 @@ def test_seeding_with_another_tokenizer_retokenizes_as_offline(run, tmp_path, ca
         assert (entry.k, entry.row) == (k, row)
         assert [t.completion_ids.tolist() for t in entry.trajectories] == kept
         assert all(t.logps.dtype == np.float16 and not t.logps.any() for t in entry.trajectories)  # log-prob 0
-    # steps as collected in the exported run
-    steps = {(r["question_key"], r["collected_at"]) for r in rows}
-    assert all((key, t.collected_at) in steps for key, e in seeded.questions.items() for t in e.trajectories)
+    # put on this run's clock: collected at 0, the batch the run seeds at (the export's stamps are the other run's)
+    assert {t.collected_at for e in seeded.questions.values() for t in e.trajectories} == {0}
     messages = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "exgrpo_trl.trainer"]
     num = sum(len(kept) for _, _, kept in expected.values())
     assert messages == [
@@ -301,7 +306,10 @@ def test_multi_turn_columns_round_trip(tmp_path, tokenizer):
     same = ExperienceBuffer(K)
     report = seed_buffer(same, out, fingerprint=tokenizer_fingerprint(tokenizer), tokenize=tokenize, max_length=12)
     assert (report.questions, report.trajectories, report.multi_turn, report.retokenized) == (1, 2, 0, False)
-    assert state_of(same) == state_of(buffer)  # the same generator seed and no retired set: the whole state
+    # the same generator seed and no retired set: the whole state, but for the stamps (this run's clock: 0)
+    seeded_arrays, seeded_meta = state_of(same)
+    arrays, meta = state_of(buffer)
+    assert seeded_meta == meta and seeded_arrays == {**arrays, "steps": [0, 0]} and arrays["steps"] == [4, 5]
     other = ExperienceBuffer(K)
     report = seed_buffer(other, out, fingerprint="another", tokenize=tokenize, max_length=12)
     assert (report.questions, report.trajectories, report.multi_turn, report.retokenized) == (1, 1, 1, True)

@@ -22,16 +22,19 @@ def _traj(length, step):
 @pytest.fixture
 def checkpoint(tmp_path):
     """K = 8: q0 in bucket 2 (lengths 3, 5), q1 and q2 in bucket 4 (4; 2, 6, 7), q3 stored then retired, and one
-    question retired without ever being stored. 3 questions, 6 trajectories, 27 tokens, 2 retired."""
+    question retired without ever being stored. 3 questions, 6 trajectories, 27 tokens, 2 retired; collected in
+    generation batches 1-6, saved at 7 (ages 6 to 1); q0's trajectories replayed twice and once."""
     buffer = ExperienceBuffer(8, seed=0)
-    buffer.update_group("q0", 2, {"prompt": "1+1="}, [_traj(3, 1), _traj(5, 2)])
+    replayed = [_traj(3, 1), _traj(5, 2)]
+    replayed[0].uses, replayed[1].uses = 2, 1
+    buffer.update_group("q0", 2, {"prompt": "1+1="}, replayed)
     buffer.update_group("q1", 4, {"prompt": "2+2="}, [_traj(4, 3)])
     buffer.update_group("q2", 4, {"prompt": "3+3="}, [_traj(2, 4), _traj(6, 5), _traj(7, 6)])
     buffer.update_group("q3", 5, {"prompt": "4+4="}, [_traj(9, 2)])
     buffer.update_group("q3", 8)  # K/K: retired, its trajectory leaves the buffer
     buffer.retire("never-stored")
     directory = tmp_path / "checkpoint-12"
-    save_state(directory, buffer, {"replay_active": True, "generation_batches": 5, "sampler_passes": []})
+    save_state(directory, buffer, {"replay_active": True, "generation_batches": 7, "sampler_passes": []})
     return directory
 
 
@@ -63,7 +66,10 @@ def test_summary_numbers(checkpoint):
         "files": files,
         "total_on_disk": sum(files.values()),
     }
-    assert s["trainer"] == {"replay_active": True, "generation_batches": 5}
+    assert s["trainer"] == {"replay_active": True, "generation_batches": 7}
+    # ages 7 - (1, 2, 3, 4, 5, 6) = 6 .. 1, median (3 + 4) / 2; uses 2 + 1 on two trajectories
+    assert s["age"] == {"min": 1, "median": 3.5, "max": 6}
+    assert s["uses"] == {"replays": 3, "replayed": 2, "max": 2}
 
 
 def test_text_output(checkpoint, capsys):
@@ -77,12 +83,15 @@ def test_text_output(checkpoint, capsys):
         "stored tokens 27  (per trajectory: mean 4.5, min 2, max 7)",
     ]
     assert out[5].startswith("bytes         162 of token ids + log-probs (6.00 per token), 96 of lengths + steps; ")
-    assert out[6:9] == [
+    assert out[6:12] == [
         "collected at  generation batches 1 to 6",
-        "replay        on; 5 generation batches so far",
+        "age           1 to 6 generation batches (median 3.5)",
+        "replayed      3 replays of 2 stored trajectories (most: 2)",
+        "draw rules    no age limit, no use cap, no reuse limit, priority gaussian",
+        "replay        on; 7 generation batches so far",
         "buckets       k successes out of K=8:",
     ]
-    rows = [line.split() for line in out[10:17]]
+    rows = [line.split() for line in out[13:20]]
     assert [[int(x) for x in row] for row in rows] == [[k, *EXPECTED_BUCKETS[k]] for k in range(1, 8)]
 
 

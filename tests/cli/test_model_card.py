@@ -225,12 +225,14 @@ def test_card_says_whether_offline_guidance_was_on_and_its_mode():
 
 def _another_value(f):
     """A valid value of ExGRPOSettings field `f` other than its default, derived from its type and default."""
-    from exgrpo_trl.settings import OFFLINE_GUIDANCE, QUESTION_SELECTIONS, TRAJECTORY_SELECTIONS
+    from exgrpo_trl.settings import OFFLINE_GUIDANCE, QUESTION_SELECTIONS, REPLAY_PRIORITIES, TRAJECTORY_SELECTIONS
 
     choices = {"question_selection": QUESTION_SELECTIONS, "trajectory_selection": TRAJECTORY_SELECTIONS,
-               "offline_guidance": OFFLINE_GUIDANCE}  # fmt: skip
+               "offline_guidance": OFFLINE_GUIDANCE, "replay_priority": REPLAY_PRIORITIES}  # fmt: skip
     if f.name in choices:
         return next(c for c in choices[f.name] if c != f.default)
+    if f.name in ("replay_max_age", "replay_max_uses"):  # int | None defaulting to None
+        return 3
     if isinstance(f.default, bool):
         return not f.default
     if isinstance(f.default, (int, float)):

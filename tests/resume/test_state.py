@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from exgrpo_trl.buffer import ExperienceBuffer, Trajectory
+from exgrpo_trl.draw import choose_questions
 from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, StateFileError, load_state, save_state
 from tests.helpers import make_trainer, synthetic_dataset
 
@@ -26,7 +27,7 @@ def sample_buffer(seed=0):
         )
     buffer.retire("q3")
     buffer.retire("never-stored")
-    buffer.sample_questions(4, now=0)  # advance the generator: its state must survive too
+    choose_questions(buffer, 4, clock=0)  # advance the generator: its state must survive too
     return buffer
 
 
@@ -45,7 +46,7 @@ def test_round_trip(tmp_path):
     assert trainer_state == {"replay_active": True, "generation_batches": 7, "sampler_passes": [["a"]]}
     assert state_of(restored) == state_of(buffer)
     assert restored.bucket_counts() == buffer.bucket_counts() and restored.retired == buffer.retired
-    assert restored.sample_questions(5, now=0) == buffer.sample_questions(5, now=0)  # same generator state
+    assert choose_questions(restored, 5, clock=0) == choose_questions(buffer, 5, clock=0)  # same generator state
     other_rank = ExperienceBuffer(8)
     load_state(tmp_path, other_rank, with_trajectories=False)
     assert other_rank.retired == buffer.retired and other_rank.num_questions == 0
@@ -67,7 +68,7 @@ def test_bucket_order_survives_round_trip(tmp_path):
     restored = ExperienceBuffer(8, seed=0)
     load_state(tmp_path, restored)
     assert list(restored._buckets[4]) == list("bdefac")
-    assert [restored.sample_questions(2, 0) for _ in range(10)] == [buffer.sample_questions(2, 0) for _ in range(10)]
+    assert [choose_questions(restored, 2, 0) for _ in range(10)] == [choose_questions(buffer, 2, 0) for _ in range(10)]
 
     # a state saved before positions were recorded restores its buckets in buffer order
     arrays, meta = buffer.state_dict()

@@ -154,13 +154,13 @@ def test_collect_stores_only_what_the_model_ended():
     masks = [[1, 1], [1, 0, 1], [1, 1, 0], None]
     pending = collect(
         rows, outcome, completions, process_index=0, k=k, collecting=True, stop_ids={EOS},
-        micro_batches_left=1, now=0, masks=masks,
+        micro_batches_left=1, clock=0, masks=masks,
     )  # fmt: skip
     assert sorted(pending.rows) == [1, 3]
     # ... whereas without masks row 2 (ending with 6, no stop token) was never a candidate either way
     assert sorted(collect(
         rows, outcome, [[5, EOS], [5, 6, EOS], [5, 6, EOS], [7, EOS]], process_index=0, k=k, collecting=True,
-        stop_ids={EOS}, micro_batches_left=1, now=0,
+        stop_ids={EOS}, micro_batches_left=1, clock=0,
     ).rows) == [1, 2, 3]  # fmt: skip
 
 
