@@ -30,6 +30,8 @@ from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer  # noqa: E402
 from exgrpo_trl import draw as draw_module  # noqa: E402
 from exgrpo_trl.buffer import shortlist_indices  # noqa: E402
 
+CHOOSE_QUESTIONS = draw_module.choose_questions
+
 
 class RecordingExGRPOTrainer(ExGRPOTrainer):
     """Records, for every scored question, its candidates' entropies (oldest stored first). Single process only."""
@@ -39,7 +41,7 @@ class RecordingExGRPOTrainer(ExGRPOTrainer):
         self.selections: list[np.ndarray] = []
         self.stored_nll: list[np.ndarray] = []
         self._sampled: list[str] = []
-        choose = draw_module.choose_questions
+        choose = CHOOSE_QUESTIONS
 
         def recording_choose(buffer, n, clock):
             self._sampled = choose(buffer, n, clock)
@@ -134,7 +136,10 @@ def main(argv=None) -> int:
         ),
     )
     prefill(trainer, dataset, reward, args)
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        draw_module.choose_questions = CHOOSE_QUESTIONS  # the recording wrapper off again
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     print(f"reward (mean per logged step): first {rewards[0]:.3f}, last {rewards[-1]:.3f}")
     for line in summarise(trainer.selections, trainer.stored_nll, args.caps):

@@ -9,6 +9,7 @@ bookkeeping, loss) and generation (replayed groups sample K-1 rows, not K).
 
     python benchmarks/overhead.py                       # default: a scaled-down paper shape on CPU
     python benchmarks/overhead.py --max-trajectory-candidates none   # the paper's selection: score every one
+    python benchmarks/overhead.py --replay-max-age 2 --replay-priority advantage   # the literature's draw rules
     python benchmarks/overhead.py --hidden-size 1024 --intermediate-size 5120 --layers 24 --heads 16 \
         --min-completion-length 1024 --max-completion-length 2048 --device cuda --bf16
                                                         # ~0.48B Qwen2 shape on a GPU, 1-2k-token completions
@@ -36,9 +37,11 @@ from transformers import Qwen2ForCausalLM, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
+from exgrpo_trl import draw as draw_module
 from exgrpo_trl.buffer import Trajectory, question_key
 from exgrpo_trl.tasks.toy import ALPHABET, SPECIAL_TOKENS, build_char_tokenizer, build_tiny_model
 
+DRAW_FUNCTIONS = {name: getattr(draw_module, name) for name in ("draw_questions", "count_uses")}
 CHAR_VOCAB = len(SPECIAL_TOKENS) + len(ALPHABET)  # the character tokenizer; a grown one adds fillers after it
 # label -> the method timed: the run's steps (`exgrpo_trl.run.ExGRPORun`) and the trainer's entropy scoring
 TIMED = {
@@ -64,6 +67,27 @@ class TimedExGRPOTrainer(ExGRPOTrainer):
             owner = self.exgrpo_run if name.startswith("run.") else self
             name = name.removeprefix("run.")
             setattr(owner, name, self._timed(label, getattr(owner, name)))
+        # the draw's own rules (eligibility, the questions, use counts; scoring apart), inside the plan: per call
+        self.draw_seconds: list[float] = []
+        for name, function in DRAW_FUNCTIONS.items():  # the draw looks them up at each call; `restore` puts them back
+            setattr(draw_module, name, self._draw_timed(function))
+
+    @staticmethod
+    def restore() -> None:
+        for name, function in DRAW_FUNCTIONS.items():
+            setattr(draw_module, name, function)
+
+    def _draw_timed(self, function):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if function.__name__ == "draw_questions":
+                    self.draw_seconds.append(0.0)
+                self.draw_seconds[-1] += time.perf_counter() - start
+
+        return wrapper
 
     def _exgrpo_score_entropies(self, prompt_ids, completion_ids, masks=None, vision=None):
         self.scored_rows.append(len(completion_ids))
@@ -360,6 +384,9 @@ def main(argv=None) -> int:
         action="store_true",
         help="A/A check of the harness: time two GRPOTrainers against each other (expect a ratio of 1)",
     )
+    p.add_argument("--replay-max-age", type=int, default=None, help="ExGRPOConfig.replay_max_age (default: off)")
+    p.add_argument("--replay-max-uses", type=int, default=None, help="ExGRPOConfig.replay_max_uses (default: off)")
+    p.add_argument("--replay-priority", default="gaussian", help="ExGRPOConfig.replay_priority (default: gaussian)")
     p.add_argument("--json", help="also write the figures to this JSON file")
     args = p.parse_args(argv)
 
@@ -367,6 +394,8 @@ def main(argv=None) -> int:
     common = trainer_config(args)
     model_grpo, model_ex = build_model(tokenizer, args), build_model(tokenizer, args)
     cap = {"max_trajectory_candidates": args.max_trajectory_candidates}
+    rules = {"replay_max_age": args.replay_max_age, "replay_max_uses": args.replay_max_uses,
+             "replay_priority": args.replay_priority}  # fmt: skip
     n_params = sum(p.numel() for p in model_grpo.parameters())
     grpo = GRPOTrainer(
         model=model_grpo,
@@ -398,7 +427,7 @@ def main(argv=None) -> int:
         reward_funcs=reward,
         train_dataset=dataset,
         processing_class=tokenizer,
-        args=ExGRPOConfig(replay_ratio=args.replay_ratio, replay_start_pass_rate=0.0, **cap, **common),
+        args=ExGRPOConfig(replay_ratio=args.replay_ratio, replay_start_pass_rate=0.0, **cap, **rules, **common),
     )
     ex.model.to(ex.accelerator.device)
     prefill(ex, dataset, reward, args)
@@ -407,7 +436,8 @@ def main(argv=None) -> int:
     print(
         f"model: {n_params / 1e6:.2f}M params; {args.questions_per_step} questions x K={args.num_generations} per "
         f"step; completions up to {args.max_completion_length} tokens; rho={args.replay_ratio}; "
-        f"max_trajectory_candidates={args.max_trajectory_candidates}"
+        f"max_trajectory_candidates={args.max_trajectory_candidates}; draw rules: "
+        + ", ".join(f"{k}={v}" for k, v in rules.items())
     )
     print(
         f"warm buffer: {buffer.num_questions} questions, {buffer.num_trajectories} trajectories "
@@ -415,7 +445,10 @@ def main(argv=None) -> int:
     )
 
     generation = {"grpo": time_generation(grpo), "exgrpo": time_generation(ex)}
-    run_in_lockstep({"grpo": grpo, "exgrpo": ex}, args.steps)
+    try:
+        run_in_lockstep({"grpo": grpo, "exgrpo": ex}, args.steps)
+    finally:
+        ex.restore()
     skip = args.warmup_steps  # the first steps pay one-off costs (data loader, optimizer state, allocator)
     measured = {"grpo": step_times(grpo)[skip:], "exgrpo": step_times(ex)[skip:]}
     generation = {name: seconds[skip:] for name, seconds in generation.items()}
@@ -448,6 +481,12 @@ def main(argv=None) -> int:
     for label in TIMED:
         share = per_step.get(label, 0.0)
         print(f"  {label:<28} {1000 * share:8.2f} ms  ({100 * share / g:5.2f}% of a GRPO step)")
+    draws = ex.draw_seconds[skip:] or ex.draw_seconds
+    print(
+        f"the draw's own rules per generation batch (eligibility, the questions, use counts; scoring apart): median "
+        f"{1000 * statistics.median(draws) if draws else float('nan'):.3f} ms, max {1000 * max(draws, default=0):.3f} "
+        f"ms over {len(draws)} batches"
+    )
     print(
         f"stored trajectories scored per step: mean {np.mean(ex.scored_rows):.1f} "
         f"(max {max(ex.scored_rows, default=0)})"
@@ -465,6 +504,8 @@ def main(argv=None) -> int:
                     "ratio": e / g,
                     "paired_ratio_median": statistics.median(paired),
                     "median_extra_fraction": statistics.median(fractions),
+                    "draw_median_s": statistics.median(draws) if draws else None,
+                    "rules": rules,
                     "generation_median_s": {"grpo": gen_g, "exgrpo": gen_e},
                     "step_times_s": measured,
                     "generation_s": generation,

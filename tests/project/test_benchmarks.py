@@ -72,11 +72,20 @@ def test_tiny_run_writes_its_figures(overhead, tmp_path):
             "3",
             "--warmup-steps",
             "1",
+            "--replay-max-age",
+            "2",
+            "--replay-priority",
+            "advantage",
             "--json",
             str(out),
         ]
     )
     figures = json.loads(out.read_text())
+    assert figures["rules"] == {"replay_max_age": 2, "replay_max_uses": None, "replay_priority": "advantage"}
+    assert figures["draw_median_s"] > 0
+    from exgrpo_trl import draw
+
+    assert draw.draw_questions is overhead.DRAW_FUNCTIONS["draw_questions"]  # the timing wrappers are gone
     assert len(figures["step_times_s"]["grpo"]) == len(figures["step_times_s"]["exgrpo"]) == 2
     assert figures["ratio"] == pytest.approx(figures["exgrpo_median_s"] / figures["grpo_median_s"])
     assert set(figures["per_step_ms"]) >= {"entropy scoring", "plan (sample + broadcast)"}
