@@ -102,16 +102,17 @@ def reading(setting: str, registered: list[dict], fresh: list[dict]) -> tuple[di
         f"fresh runs: {', '.join(commits) or '-'}.",
         "",
         "| quantity | registered mean [95% CI of the mean] | registered 95% prediction interval (one seed) | "
-        "registered min - max | fresh seeds (against the prediction interval) | fresh mean (against the CI) |",
+        "registered min to max | fresh seeds (against the prediction interval) | fresh mean (against the CI) |",
         "|---|---|---|---|---|---|",
     ]
     for row in rows:
         r = row["registered"]
-        ci = f" [{r['ci95_mean'][0]:+.3f}, {r['ci95_mean'][1]:+.3f}]" if r["ci95_mean"] else ""
-        pred = f"[{r['prediction95'][0]:+.3f}, {r['prediction95'][1]:+.3f}]" if r["prediction95"] else "-"
-        fresh = ", ".join(f"{s}: {v['value']:+.3f} {v['against_prediction']}" for s, v in row["fresh"].items())
-        mean = "-" if row["fresh_mean"] is None else f"{row['fresh_mean']:+.3f} {row['fresh_mean_against_ci']}"
-        lines.append(f"| {row['quantity']} | {r['mean']:+.3f}{ci} | {pred} | {r['min']:+.3f} - {r['max']:+.3f} | "
+        f = "{:+.3f}".format if " - " in row["quantity"] else "{:.3f}".format  # a difference has a sign
+        ci = f" [{f(r['ci95_mean'][0])}, {f(r['ci95_mean'][1])}]" if r["ci95_mean"] else ""
+        pred = f"[{f(r['prediction95'][0])}, {f(r['prediction95'][1])}]" if r["prediction95"] else "-"
+        fresh = ", ".join(f"{s}: {f(v['value'])} {v['against_prediction']}" for s, v in row["fresh"].items())
+        mean = "-" if row["fresh_mean"] is None else f"{f(row['fresh_mean'])} {row['fresh_mean_against_ci']}"
+        lines.append(f"| {row['quantity']} | {f(r['mean'])}{ci} | {pred} | {f(r['min'])} to {f(r['max'])} | "
                      f"{fresh or 'not run yet'} | {mean} |")  # fmt: skip
     outside = [f"{row['quantity']} seed {s}" for row in rows for s, v in row["fresh"].items()
                if v["against_prediction"] != "inside"]  # fmt: skip

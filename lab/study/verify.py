@@ -33,6 +33,13 @@ from .tasks import ARMS, Task
 DECISIVE_ELSEWHERE = ("identity", "config", "settings")  # what must be equal on any machine
 
 
+def _setting_defaults() -> dict[str, Any]:
+    """Every ExGRPO setting's default: a setting added after a run was made, at its default, trains as the run did."""
+    from exgrpo_trl.settings import settings_fields
+
+    return {f.name: f.default for f in settings_fields()}
+
+
 @dataclasses.dataclass
 class Comparison:
     """One kind of record: how many values were compared and the differences found (at most a few are kept)."""
@@ -92,8 +99,13 @@ def compare(saved: dict[str, Any], rerun: dict[str, Any], updates: int, *, final
         for key in ("warm_start_sha256", "train_pool_sha256", "held_out_sha256"):
             identity.check(key, made.get(key), remade.get(key))
         out.append(identity)
-        config = Comparison("config", "resolved config fields")
-        for key in sorted(set(made["config"]) | set(remade["config"])):
+        # a setting added since the run, at its default, is how the run trained: named, not a difference
+        defaults = _setting_defaults()
+        added = {k for k, v in remade["config"].items() if k not in made["config"] and k in defaults
+                 and v == defaults[k]}  # fmt: skip
+        config = Comparison("config", "resolved config fields" + (
+            f" (added since the run, at their defaults: {', '.join(sorted(added))})" if added else ""))  # fmt: skip
+        for key in sorted((set(made["config"]) | set(remade["config"])) - added):
             config.check(f"config.{key}", made["config"].get(key, "<absent>"), remade["config"].get(key, "<absent>"))
         out.append(config)
 

@@ -215,6 +215,15 @@ def test_provenance_fields_and_verify_on_a_tiny_run(tmp_path, capsys, monkeypatc
     bad = altered("old", lambda r: r["provenance"].pop("machine"))
     assert study.main([*verify, str(bad)]) == 0
     assert "the run's not recorded" in capsys.readouterr().out
+    # a run made before a setting existed: the setting at its default is how it trained, named and not a difference;
+    # at another value it is one
+    bad = altered("older", lambda r: r["provenance"]["config"].pop("replay_max_age"))
+    assert study.main([*verify, str(bad)]) == 0
+    out = capsys.readouterr().out
+    assert "resolved config fields (added since the run, at their defaults: replay_max_age): " in out
+    bad = altered("changed", lambda r: r["provenance"]["config"].__setitem__("replay_priority", "advantage"))
+    assert study.main([*verify, str(bad)]) == 1
+    assert "config.replay_priority: saved 'advantage', retrained 'gaussian'" in capsys.readouterr().out
     # the task's definition today differs from the run's (here: verified without the run's --quick): nothing retrained
     monkeypatch.setattr(study_run, "run_one", lambda *a, **k: pytest.fail("retrained with other settings"))
     assert study.main(["--cache-dir", str(cache), "--verify", str(path)]) == 1
