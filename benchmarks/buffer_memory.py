@@ -51,7 +51,7 @@ from exgrpo_trl.buffer import ExperienceBuffer, Trajectory
 from exgrpo_trl.draw import choose_questions, draw_questions, select_lowest
 from exgrpo_trl.replay import ReplayPlan
 from exgrpo_trl.settings import ExGRPOSettings
-from exgrpo_trl.state import ARRAYS_FILENAME, load_state, save_state
+from exgrpo_trl.state_file import ARRAYS_FILENAME, load_state, save_state
 
 TARGET_BYTES_PER_TOKEN = 6.0
 TARGET_PLAN_MS = 10.0

@@ -48,7 +48,7 @@ from overhead import add_task_arguments, build_model, build_task, trainer_config
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer
 from exgrpo_trl.scoring import pad_prompt_completion
-from exgrpo_trl.state import STATE_DIRNAME
+from exgrpo_trl.state_file import STATE_DIRNAME
 
 CHECKS = ("smoke", "memory", "numerics")
 

@@ -32,7 +32,7 @@ from real_vocab import buffer_digest, train_from_checkpoint  # noqa: E402
 
 from exgrpo_trl import ExGRPOConfig, ExGRPOTrainer  # noqa: E402
 from exgrpo_trl.buffer import image_digest, row_images, row_key  # noqa: E402
-from exgrpo_trl.state import STATE_DIRNAME  # noqa: E402
+from exgrpo_trl.state_file import STATE_DIRNAME  # noqa: E402
 from exgrpo_trl.tasks.vision import build_tiny_processor, colour_dataset, colour_reward, save_tiny_vlm  # noqa: E402
 
 

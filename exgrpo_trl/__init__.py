@@ -15,7 +15,7 @@ _LAZY = {
     "ExGRPOConfig": "exgrpo_trl.config",
     "ExGRPORun": "exgrpo_trl.run",
     "ExGRPOSettings": "exgrpo_trl.settings",
-    "ExGRPOState": "exgrpo_trl.experience",
+    "ExGRPOState": "exgrpo_trl.training_state",
     "ExGRPOTrainer": "exgrpo_trl.trainer",
     "ExperienceBuffer": "exgrpo_trl.buffer",
 }
@@ -23,10 +23,10 @@ _LAZY = {
 if TYPE_CHECKING:
     from .buffer import ExperienceBuffer
     from .config import ExGRPOConfig
-    from .experience import ExGRPOState
     from .run import ExGRPORun
     from .settings import ExGRPOSettings
     from .trainer import ExGRPOTrainer
+    from .training_state import ExGRPOState
 
 
 def __getattr__(name: str):

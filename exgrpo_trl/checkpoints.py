@@ -11,7 +11,7 @@ depends on the moment, because a checkpoint is written in this order:
 `checkpoint_problems` tells a complete checkpoint from an incomplete one by checking each of these is present and
 readable, cheaply (headers and JSON, not the weights): a checkpoint is complete when it has model weights, an
 optimizer and scheduler (unless the run saves the model only), every rank's RNG state, a ``trainer_state.json`` that
-parses, and an ExGRPO state that state.py's readers accept. A checkpoint without ``exgrpo_state/`` and without a
+parses, and an ExGRPO state that state_file.py's readers accept. A checkpoint without ``exgrpo_state/`` and without a
 leftover temporary one was written by plain GRPO: it counts as complete, and the trainer warns on resume that the
 experience buffer starts empty. A leftover ``.exgrpo_state.tmp-PID`` is never read: it only tells that the ExGRPO
 state was never finished.
@@ -39,7 +39,7 @@ from typing import Any
 
 from safetensors import safe_open
 
-from .state import STATE_DIRNAME, StateFileError, has_state, load_state, read_meta, read_small_arrays
+from .state_file import STATE_DIRNAME, StateFileError, has_state, load_state, read_meta, read_small_arrays
 
 logger = logging.getLogger(__name__)
 

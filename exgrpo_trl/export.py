@@ -46,7 +46,7 @@ import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from .buffer import IDS_DTYPE, LOGPS_DTYPE, MASK_DTYPE, ExperienceBuffer, Trajectory
-from .state import decode_image, load_checkpoint_buffer, put_row_images, take_row_images
+from .state_file import decode_image, load_checkpoint_buffer, put_row_images, take_row_images
 
 EXPORT_FORMAT = "exgrpo-trl-export"
 EXPORT_VERSION = 1

@@ -32,7 +32,6 @@ import torch
 
 from .buffer import row_images
 from .draw import draw
-from .experience import METRIC_PREFIX, ExGRPOState
 from .loss import ReplayTokenStats, aggregate_token_loss, shaped_replay_token_loss
 from .replay import (
     PendingCollection,
@@ -45,6 +44,7 @@ from .replay import (
     threshold_mismatch,
 )
 from .settings import clip_removal_problem
+from .training_state import METRIC_PREFIX, ExGRPOState
 
 
 class BatchKey:

@@ -23,11 +23,11 @@ from .card import add_section, exgrpo_card_section, fix_local_references, fix_qu
 from .checkpoints import find_resumable_checkpoint, remove_state_leftovers, rotate_checkpoints
 from .checks import check_arguments, check_built
 from .compat import own_key_names, plain_cpu_map_location, quiet_checkpointing_deprecation, swapped
-from .experience import METRIC_PREFIX, ExGRPOState, Messages, Ranks
 from .export import tokenizer_fingerprint
 from .replay import merge_spliced, splice_rollout
 from .run import BatchKey, ExGRPORun, GenerationBatch, Rollouts
 from .scoring import EntropyScorer, image_inputs
+from .training_state import METRIC_PREFIX, ExGRPOState, Messages, Ranks
 from .vllm_server import guard_client
 
 __all__ = [
@@ -76,7 +76,7 @@ class ExGRPOTrainer(GRPOTrainer):
     constructor is GRPOTrainer's; `args` must be an :class:`~exgrpo_trl.ExGRPOConfig`.
 
     ExGRPO's training state (the buffer, the clock, the delayed start, the sampler's place: what a checkpoint holds)
-    is `exgrpo_state`, an :class:`~exgrpo_trl.experience.ExGRPOState`; the steps of one generation batch are
+    is `exgrpo_state`, an :class:`~exgrpo_trl.training_state.ExGRPOState`; the steps of one generation batch are
     `exgrpo_run`, an :class:`~exgrpo_trl.run.ExGRPORun` on that state (its `last_plan`: the last training generation
     batch's replay plan; its `replay_token_weights`, set to a list, receives the importance weights of replayed
     tokens). Both are free of TRL; the checks at init are in `checks`, the entropy scorer in `scoring`. This class

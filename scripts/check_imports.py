@@ -4,8 +4,8 @@
 
 Layers, bottom to top (a module may import its own layer and the layers below it):
 
-    algorithm   exgrpo_trl/*.py         settings, config, buffer, replay, draw, loss, scoring, state, experience, run,
-                                        card, trainer
+    algorithm   exgrpo_trl/*.py         settings, config, buffer, replay, draw, loss, scoring, state_file,
+                                        training_state, run, card, trainer
     utils       exgrpo_trl/utils/       helpers the applications share (tokenizer loading, Hub push, plots)
     tasks       exgrpo_trl/tasks/       training data and rewards (math), the CPU quick start's toy task
     eval        exgrpo_trl/eval/        benchmarks, grading, generators, reports, the in-training callback
@@ -26,8 +26,8 @@ from pathlib import Path
 LAYERS = ("algorithm", "utils", "tasks", "eval", "cli")
 PURE = (
     "exgrpo_trl.buffer", "exgrpo_trl.replay", "exgrpo_trl.sampler", "exgrpo_trl.offline", "exgrpo_trl.loss",
-    "exgrpo_trl.scoring", "exgrpo_trl.state", "exgrpo_trl.checkpoints", "exgrpo_trl.run", "exgrpo_trl.settings",
-    "exgrpo_trl.experience", "exgrpo_trl.draw",
+    "exgrpo_trl.scoring", "exgrpo_trl.state_file", "exgrpo_trl.checkpoints", "exgrpo_trl.run", "exgrpo_trl.settings",
+    "exgrpo_trl.training_state", "exgrpo_trl.draw",
 )  # fmt: skip
 FRAMEWORKS = ("trl", "transformers", "accelerate")
 OUTSIDE = ("lab", "tests", "benchmarks", "scripts")  # the repository's folders beside the package

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..state import STATE_DIRNAME, StateFileError, checkpoint_folder
+from ..state_file import STATE_DIRNAME, StateFileError, checkpoint_folder
 from .diskfull import told_when_full
 from .inspect import _missing_state_hint
 

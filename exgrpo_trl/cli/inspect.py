@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..buffer import CLOCK
-from ..state import (
+from ..state_file import (
     ARRAYS_FILENAME,
     META_FILENAME,
     STATE_DIRNAME,

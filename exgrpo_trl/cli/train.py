@@ -41,7 +41,7 @@ from ..config import ExGRPOConfig
 from ..offline import offline_columns
 from ..reporting import require_loggers
 from ..settings import SUPPORTED_LOSS_TYPES
-from ..state import StateFileError
+from ..state_file import StateFileError
 from ..tasks.math_data import PRODUCED_COLUMNS, filter_long_prompts, load_math_dataset
 from ..tasks.rewards import REWARD_FUNCS, get_reward_funcs
 from ..utils.requirements import require

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from exgrpo_trl.buffer import Trajectory, question_key
-from exgrpo_trl.experience import METRIC_PREFIX, ExGRPOState, Messages, Ranks
 from exgrpo_trl.run import BatchKey, ExGRPORun, Rollouts
 from exgrpo_trl.settings import ExGRPOSettings
+from exgrpo_trl.training_state import METRIC_PREFIX, ExGRPOState, Messages, Ranks
 
 K, EOS, PAD = 4, 1, 0
 Q = "Q"  # the buffered question's prompt
@@ -180,7 +180,7 @@ def test_a_loss_without_a_clip_cannot_drop_it():
         ExGRPORun(state, Rollouts(tokenize, 4, frozenset({EOS}), "sapo"))
 
 
-@pytest.mark.parametrize("module", ["exgrpo_trl.run", "exgrpo_trl.experience", "exgrpo_trl.settings"])
+@pytest.mark.parametrize("module", ["exgrpo_trl.run", "exgrpo_trl.training_state", "exgrpo_trl.settings"])
 def test_the_run_imports_no_training_framework(module):
     """Imported in a fresh interpreter: the run, its state and the settings pull in none of trl, transformers,
     accelerate (the settings not even torch)."""

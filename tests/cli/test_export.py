@@ -19,7 +19,7 @@ from exgrpo_trl.export import (
     read_export_meta,
     tokenizer_fingerprint,
 )
-from exgrpo_trl.state import STATE_DIRNAME, load_state
+from exgrpo_trl.state_file import STATE_DIRNAME, load_state
 from tests.helpers import make_trainer, state_of, synthetic_dataset
 
 K = 8
@@ -284,7 +284,7 @@ def test_multi_turn_columns_round_trip(tmp_path, tokenizer):
 
     from exgrpo_trl.buffer import Trajectory
     from exgrpo_trl.export import export_checkpoint, seed_buffer
-    from exgrpo_trl.state import save_state
+    from exgrpo_trl.state_file import save_state
 
     buffer = ExperienceBuffer(K)
     ids = tokenizer("12=3", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]  # 5 tokens

@@ -11,7 +11,7 @@ import pytest
 from exgrpo_trl import cli
 from exgrpo_trl.buffer import ExperienceBuffer, Trajectory
 from exgrpo_trl.cli.inspect import main, plot, summarize
-from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, save_state
+from exgrpo_trl.state_file import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, save_state
 from tests.helpers import make_trainer, synthetic_dataset
 
 
@@ -138,7 +138,7 @@ def test_reads_only_lengths_and_steps(checkpoint, monkeypatch):
     import safetensors.numpy
 
     import exgrpo_trl.cli.inspect as inspect_module
-    import exgrpo_trl.state as state_module
+    import exgrpo_trl.state_file as state_module
 
     def boom(*args, **kwargs):
         raise AssertionError("the whole buffer was read")
@@ -363,7 +363,7 @@ def test_state_file_is_standard_safetensors(tmp_path):
 def test_state_round_trip_with_short_reads_and_writes(tmp_path, monkeypatch):
     import os
 
-    from exgrpo_trl.state import load_state, read_meta, verify_arrays
+    from exgrpo_trl.state_file import load_state, read_meta, verify_arrays
 
     real_writev, real_preadv = os.writev, os.preadv
 
@@ -388,7 +388,7 @@ def test_state_round_trip_with_short_reads_and_writes(tmp_path, monkeypatch):
 
 def test_loaded_trajectories_own_their_memory(tmp_path):
     """No trajectory is a view into a shared array: retiring a question after a resume frees its memory."""
-    from exgrpo_trl.state import load_state
+    from exgrpo_trl.state_file import load_state
 
     save_state(tmp_path, _buffer_with(), {})
     restored = ExperienceBuffer(8)

@@ -10,7 +10,7 @@ import torch
 
 from exgrpo_trl.buffer import ExperienceBuffer
 from exgrpo_trl.replay import threshold_mismatch
-from exgrpo_trl.state import load_state
+from exgrpo_trl.state_file import load_state
 from tests.helpers import make_reward, make_trainer, synthetic_dataset
 
 ALL_SOLVED = (

@@ -40,7 +40,7 @@ import torch
 
 from exgrpo_trl.checkpoints import resolve_checkpoint
 from exgrpo_trl.cli.train import _same_on_every_rank
-from exgrpo_trl.state import read_meta
+from exgrpo_trl.state_file import read_meta
 from tests.multiprocess.train_replay import build, exit_now
 from tests.support.recording import buffer_hash
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from exgrpo_trl.state import STATE_DIRNAME, read_meta
+from exgrpo_trl.state_file import STATE_DIRNAME, read_meta
 from tests.helpers import TINY_RECIPE
 from tests.multiprocess.test_multiprocess import LAUNCH_TIMEOUT_S, MP, ROOT, _stop, accelerate_config
 

@@ -263,7 +263,7 @@ def test_one_logical_buffer_on_the_main_process(run):
 @pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)
 def test_checkpoint_holds_rank0_buffer_and_resume_restores_it_on_every_rank(run):
     from exgrpo_trl.buffer import ExperienceBuffer
-    from exgrpo_trl.state import load_state
+    from exgrpo_trl.state_file import load_state
     from tests.support.recording import buffer_hash, retired_hash
 
     out, (r0, r1) = run
@@ -286,7 +286,7 @@ def test_checkpoint_holds_rank0_buffer_and_resume_restores_it_on_every_rank(run)
 def test_tool_trajectories_reach_the_buffer_with_their_masks(tools_run, request):
     """Every success of the calculator task went through a tool: the buffer rank 0 holds only multi-turn
     trajectories, with their model masks, and the checkpoint keeps them (state format 2)."""
-    from exgrpo_trl.state import read_meta
+    from exgrpo_trl.state_file import read_meta
 
     out, (r0, r1) = request.getfixturevalue(tools_run)
     assert r0["masked_trajectories"] == r0["buffer"]["trajectories"] > 0 and r1["masked_trajectories"] == 0
@@ -336,7 +336,7 @@ def test_image_questions_replay_in_step_on_every_rank(vlm_run, request):
     the same forward passes on every rank, entropy scoring with images sharded evenly, one buffer on the main process
     (keys that hold the images), and a resume that gives rank 0 the whole buffer back, images included."""
     from exgrpo_trl.buffer import ExperienceBuffer, row_key
-    from exgrpo_trl.state import load_state
+    from exgrpo_trl.state_file import load_state
     from tests.support.recording import buffer_hash
 
     out, (r0, r1) = request.getfixturevalue(vlm_run)

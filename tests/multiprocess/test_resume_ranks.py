@@ -26,7 +26,7 @@ import json
 import pytest
 
 from exgrpo_trl.checkpoints import checkpoint_problems
-from exgrpo_trl.state import STATE_DIRNAME
+from exgrpo_trl.state_file import STATE_DIRNAME
 from tests.multiprocess.test_multiprocess import LAUNCH_TIMEOUT_S, accelerate_config, launch
 
 SCENARIOS = ("mid:10", "cut:10", "missing:10")

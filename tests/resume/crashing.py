@@ -26,7 +26,7 @@ def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-import exgrpo_trl.state as state
+import exgrpo_trl.state_file as state
 from transformers.trainer_callback import TrainerState
 
 from exgrpo_trl import ExGRPOTrainer

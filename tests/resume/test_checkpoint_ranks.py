@@ -27,7 +27,7 @@ from exgrpo_trl.checkpoints import (
     writer_world_size,
 )
 from exgrpo_trl.cli.train import parse_args
-from exgrpo_trl.state import save_state
+from exgrpo_trl.state_file import save_state
 from tests.helpers import TINY_RECIPE
 
 TAG = "global_step4"

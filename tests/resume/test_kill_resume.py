@@ -30,7 +30,7 @@ from pathlib import Path
 from safetensors.numpy import load_file
 
 from exgrpo_trl.checkpoints import checkpoint_problems, checkpoint_step
-from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME
+from exgrpo_trl.state_file import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME
 from tests.helpers import ROOT, toy_recipe_args
 from tests.resume.crashing import CRASH_AT, ENV
 

@@ -26,7 +26,7 @@ import pytest
 
 from exgrpo_trl.checkpoints import checkpoint_problems, find_resumable_checkpoint, resolve_checkpoint
 from exgrpo_trl.cli.train import parse_args
-from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME
+from exgrpo_trl.state_file import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME
 from tests.helpers import ROOT, TINY_RECIPE, make_trainer, toy_recipe_args
 from tests.resume.crashing import CRASH_AT, ENV
 

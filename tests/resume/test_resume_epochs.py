@@ -23,7 +23,7 @@ from exgrpo_trl.buffer import question_key
 from exgrpo_trl.checkpoints import checkpoint_problems, rotate_checkpoints
 from exgrpo_trl.checks import save_steps_inside_generation_batches
 from exgrpo_trl.sampler import SkipRetiredSampler
-from exgrpo_trl.state import STATE_DIRNAME
+from exgrpo_trl.state_file import STATE_DIRNAME
 from tests.helpers import config_kwargs, make_model, make_trainer, state_of, synthetic_dataset
 
 PROMPTS = [f"q{i}" for i in range(12)]

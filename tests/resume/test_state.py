@@ -10,7 +10,7 @@ import torch
 
 from exgrpo_trl.buffer import ExperienceBuffer, Trajectory
 from exgrpo_trl.draw import choose_questions
-from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, StateFileError, load_state, save_state
+from exgrpo_trl.state_file import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, StateFileError, load_state, save_state
 from tests.helpers import make_trainer, synthetic_dataset
 
 

@@ -353,7 +353,7 @@ def test_calculator_task_replays_tool_trajectories_and_resumes_bitwise(tmp_path)
 
     from safetensors.numpy import load_file
 
-    from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, read_meta
+    from exgrpo_trl.state_file import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, read_meta
 
     def run(out, resume=None):
         tokenizer = build_tool_tokenizer()

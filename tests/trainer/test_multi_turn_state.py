@@ -17,7 +17,7 @@ from exgrpo_trl.buffer import ExperienceBuffer, Trajectory, shortlist_candidates
 from exgrpo_trl.cli.inspect import main as inspect_main
 from exgrpo_trl.cli.inspect import summarize
 from exgrpo_trl.replay import GroupOutcome, StoredRow, assign_rows, batch_outcome, collect, commit
-from exgrpo_trl.state import (
+from exgrpo_trl.state_file import (
     ARRAYS_FILENAME,
     META_FILENAME,
     STATE_DIRNAME,

@@ -15,7 +15,6 @@ from transformers import TrainerCallback
 
 from exgrpo_trl.buffer import ExperienceBuffer, Trajectory, image_digest, question_key, row_key
 from exgrpo_trl.checks import IMAGE_MULTI_TURN, IMAGE_VLLM
-from exgrpo_trl.state import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, load_state, read_meta, save_state
 from exgrpo_trl.tasks.vision import build_tiny_vlm, colour_dataset, colour_image, colour_reward, vlm_prompt
 from tests.helpers import make_trainer
 
@@ -53,6 +52,9 @@ def test_a_question_key_holds_its_images():
 
 
 def test_images_are_saved_in_the_state_as_png_bytes(tmp_path):
+    # imported here: scripts/same_behaviour.py builds this file's trainer against older package versions too
+    from exgrpo_trl.state_file import ARRAYS_FILENAME, META_FILENAME, STATE_DIRNAME, load_state, read_meta, save_state
+
     buffer = ExperienceBuffer(K)
     red, blue = colour_image("red"), colour_image("blue", size=56)
     for image in (red, blue):
@@ -226,6 +228,8 @@ def test_a_vlm_checkpoint_holds_the_names_it_is_resumed_with(tmp_path):
 
 
 def test_export_inspect_and_seed_with_images(tmp_path):
+    from exgrpo_trl.state_file import save_state
+
     """`exgrpo export` writes each question's images as a datasets Image list (its row holds references), `inspect
     --show` says how many images a question has, and seeding from the export restores the questions, keys and images
     exactly."""
@@ -312,7 +316,7 @@ def test_exgrpo_train_on_image_data(tmp_path):
     import sys
     from pathlib import Path
 
-    from exgrpo_trl.state import load_checkpoint_buffer
+    from exgrpo_trl.state_file import load_checkpoint_buffer
     from exgrpo_trl.tasks.vision import save_tiny_vlm
     from tests.helpers import ROOT, TINY_RECIPE
 

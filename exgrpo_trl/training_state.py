@@ -28,7 +28,7 @@ from .checkpoints import restore_state
 from .offline import make_offline_guide
 from .sampler import SkipRetiredSampler
 from .settings import ExGRPOSettings
-from .state import save_state
+from .state_file import save_state
 
 logger = logging.getLogger(__name__)
 
