@@ -385,16 +385,16 @@ class ExperienceBuffer:
         """The whole buffer as flat arrays (for safetensors) and JSON-able metadata; no pickle anywhere.
 
         Arrays: every stored token's id and behaviour log-prob concatenated (questions in buffer order, trajectories
-        in stored order), each trajectory's length and collection step, and, when some trajectory holds tool or
-        environment tokens, every token's model mask ("model_mask"). Metadata: see `state_meta`.
-        (`state.save_state` writes the same arrays to disk without concatenating them in memory.)
+        in stored order), each trajectory's length and stamp on the run's clock ("collected_at"), and, when some
+        trajectory holds tool or environment tokens, every token's model mask ("model_mask"). Metadata: see
+        `state_meta`. (`state_file.save_state` writes the same arrays to disk without concatenating them in memory.)
         """
         trajectories = list(self.iter_trajectories())
         arrays = {
             "completion_ids": _concat([t.completion_ids for t in trajectories], IDS_DTYPE),
             "logps": _concat([t.logps for t in trajectories], LOGPS_DTYPE),
             "lengths": np.array([t.completion_ids.size for t in trajectories], dtype=np.int64),
-            "steps": np.array([t.collected_at for t in trajectories], dtype=np.int64),
+            "collected_at": np.array([t.collected_at for t in trajectories], dtype=np.int64),
         }
         if any(t.mask is not None for t in trajectories):
             arrays["model_mask"] = _concat([t.model_mask() for t in trajectories], MASK_DTYPE)
@@ -411,12 +411,12 @@ class ExperienceBuffer:
         """Restore what `state_dict` produced. Raises ValueError if the arrays and metadata do not fit together.
         `clock`, `updates_per_batch`: for states written before the clock counted generation batches (`restore`)."""
         self._check_config(meta)
-        lengths, steps = arrays["lengths"], arrays["steps"]
+        lengths, steps = arrays["lengths"], arrays["collected_at"]
         ids, logps = arrays["completion_ids"], arrays["logps"]
         counts = [q["num_trajectories"] for q in meta["questions"]]
         if sum(counts) != lengths.size or steps.size != lengths.size:
             raise ValueError(
-                f"{sum(counts)} trajectories listed but {lengths.size} lengths / {steps.size} steps saved"
+                f"{sum(counts)} trajectories listed but {lengths.size} lengths / {steps.size} stamps saved"
             )
         if int(lengths.sum()) != ids.size or ids.size != logps.size:
             raise ValueError(

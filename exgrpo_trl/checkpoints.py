@@ -49,7 +49,7 @@ OPTIMIZER_NAMES = ("optimizer.pt", "optimizer.bin")
 SCHEDULER_NAME = "scheduler.pt"
 WEIGHT_NAMES = ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "adapter_model.bin")
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-STATE_TMP_PREFIX = f".{STATE_DIRNAME}.tmp-"  # state.save_state's temporary folder
+STATE_TMP_PREFIX = f".{STATE_DIRNAME}.tmp-"  # state_file.save_state's temporary folder
 CHECKPOINT_PREFIX = "checkpoint-"
 RNG_NAME = "rng_state.pth"  # transformers' RNG state of a one-process run
 RNG_RANK = re.compile(r"rng_state_(\d+)\.pth")  # ... and of each rank of a run of several
@@ -247,7 +247,8 @@ def _exgrpo_state_problem(path: Path, names: set[str]) -> tuple[str | None, int 
     if STATE_DIRNAME in names:
         try:
             meta = read_meta(path)
-            read_small_arrays(path, meta, ("lengths", "steps"))  # checks the arrays file's header against state.json
+            # checks the arrays file's header against state.json
+            read_small_arrays(path, meta, ("lengths", "collected_at"))
         except StateFileError as e:
             return f"unreadable ExGRPO state ({e})", None
         return None, meta["trainer"].get("num_processes")
@@ -315,7 +316,7 @@ def find_resumable_checkpoint(
 
 def remove_state_leftovers(output_dir: str | os.PathLike) -> list[str]:
     """Remove every ``.exgrpo_state.tmp-PID`` folder in `output_dir`'s checkpoints: what a process killed inside
-    `state.save_state` leaves (at the paper's size a full copy of the buffer, about 1.7 GB). Called before a save
+    `state_file.save_state` leaves (at the paper's size a full copy of the buffer, about 1.7 GB). Called before a save
     writes its own; such a folder is never read. Returns the paths removed."""
     removed = []
     output_dir = Path(output_dir)
@@ -382,7 +383,7 @@ def restore_state(
     A buffer saved with another `num_generations` cannot carry over (its success buckets and retirement depend on K):
     ValueError. Other sampling settings may differ: the run's config wins, with a warning naming them (main process).
     Only the main process loads the trajectories; the others need the retired set (for the sampler).
-    `updates_per_batch`: see `state.load_state`."""
+    `updates_per_batch`: see `state_file.load_state`."""
     if not has_state(checkpoint):
         warn(
             f"ExGRPO: {checkpoint} holds no ExGRPO state (a plain GRPO checkpoint?): training resumes with an "

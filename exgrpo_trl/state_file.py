@@ -46,6 +46,9 @@ META_FILENAME = "state.json"
 FORMAT_NAME = "exgrpo-trl-state"
 FORMAT_VERSION = 3  # the newest format this version writes (1 for a single-turn buffer, 2 with tool tokens)
 READABLE_VERSIONS = (1, 2, 3)
+# Each trajectory's stamp on the run's clock is saved as "collected_at"; states written before were saved as "steps"
+# (the same values): `upgrade_names` renames it as a state is read, the one place that knows the old name.
+OLD_ARRAY_NAMES = {"steps": "collected_at"}
 IMAGE_REF = "exgrpo_image"  # in a saved row, where an image was: {"exgrpo_image": its index in "image_lengths"}
 
 
@@ -205,7 +208,7 @@ def _saved_arrays(trajectories: list[Trajectory]) -> list[tuple[str, np.dtype, l
         ("completion_ids", np.dtype(IDS_DTYPE), [t.completion_ids for t in trajectories]),
         ("logps", np.dtype(LOGPS_DTYPE), [t.logps for t in trajectories]),
         ("lengths", np.dtype(np.int64), [np.array([t.completion_ids.size for t in trajectories], dtype=np.int64)]),
-        ("steps", np.dtype(np.int64), [np.array([t.collected_at for t in trajectories], dtype=np.int64)]),
+        ("collected_at", np.dtype(np.int64), [np.array([t.collected_at for t in trajectories], dtype=np.int64)]),
     ]
     if any(t.mask is not None for t in trajectories):
         arrays.append(("model_mask", np.dtype(MASK_DTYPE), [t.model_mask() for t in trajectories]))
@@ -311,6 +314,7 @@ def _read_header(path: Path) -> tuple[int, dict[str, tuple[str, int, int, int]]]
                 raise ValueError(f"array '{name}' has offsets {begin}..{end} for {size} {dtype} values")
             entries[name] = (dtype, size, begin, end)
             end_of_data = max(end_of_data, end)
+        upgrade_names(entries)
         if 8 + n + end_of_data != file_size:
             raise ValueError(f"the header describes {8 + n + end_of_data} bytes, the file has {file_size}")
     except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
@@ -365,9 +369,9 @@ def _check_listed(path: Path, meta: dict[str, Any], names) -> None:
 def read_small_arrays(
     directory: str | os.PathLike, meta: dict[str, Any], names: Iterable[str]
 ) -> dict[str, np.ndarray]:
-    """Read only the arrays `names` of `buffer.safetensors` (meant for the per-trajectory "lengths" and "steps", a
-    few bytes per trajectory), each whole, after checking the file's header against state.json, and check their
-    CRC-32s. The other arrays are not read. Raises StateFileError naming the file."""
+    """Read only the arrays `names` of `buffer.safetensors` (meant for the per-trajectory "lengths" and
+    "collected_at", a few bytes per trajectory), each whole, after checking the file's header against state.json,
+    and check their CRC-32s. The other arrays are not read. Raises StateFileError naming the file."""
     names = tuple(names)
     path = Path(directory) / STATE_DIRNAME / ARRAYS_FILENAME
     _check_listed(path, meta, names)
@@ -381,16 +385,16 @@ def read_trajectories(directory: str | os.PathLike, meta: dict[str, Any]) -> lis
     """Read every stored trajectory straight from `buffer.safetensors` into its own arrays (no whole-file copy in
     memory), checking sizes against state.json and every array's CRC-32. Raises StateFileError naming the file."""
     path = Path(directory) / STATE_DIRNAME / ARRAYS_FILENAME
-    _check_listed(path, meta, ("completion_ids", "logps", "lengths", "steps"))
+    _check_listed(path, meta, ("completion_ids", "logps", "lengths", "collected_at"))
     data_start, entries = _read_header(path)
     _check_header(path, entries, meta)
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
-        lengths, steps = (_read_checked(fd, path, data_start, entries, meta, name) for name in ("lengths", "steps"))
+        lengths, steps = (_read_checked(fd, path, data_start, entries, meta, n) for n in ("lengths", "collected_at"))
         if steps.size != lengths.size or (lengths < 0).any() or int(lengths.sum()) != entries["completion_ids"][1]:
             raise StateFileError(
                 f"ExGRPO state in {path.parent} is inconsistent: {lengths.size} lengths adding up to "
-                f"{int(lengths.sum())} tokens, {steps.size} steps, {entries['completion_ids'][1]} token ids"
+                f"{int(lengths.sum())} tokens, {steps.size} stamps, {entries['completion_ids'][1]} token ids"
             )
         pieces = {}
         per_token = [("completion_ids", IDS_DTYPE), ("logps", LOGPS_DTYPE)]
@@ -450,6 +454,14 @@ def load_checkpoint_buffer(checkpoint: str | os.PathLike) -> ExperienceBuffer:
     return buffer
 
 
+def upgrade_names(arrays: dict[str, Any]) -> None:
+    """Rename, in place, the arrays an older state saved under another name (`OLD_ARRAY_NAMES`): state.json's list,
+    the file header's entries and the arrays read whole all go through here."""
+    for old, new in OLD_ARRAY_NAMES.items():
+        if old in arrays and new not in arrays:
+            arrays[new] = arrays.pop(old)
+
+
 def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
     """Read and check `state.json`: format, version, and the shape of every field the readers use (so that a state
     file of the wrong shape is reported, not met later as a KeyError). Raises StateFileError naming the file."""
@@ -469,6 +481,8 @@ def read_meta(directory: str | os.PathLike) -> dict[str, Any]:
     if meta.get("format") != FORMAT_NAME:
         raise StateFileError(f"{path} is not an ExGRPO state file (format {meta.get('format')!r})")
     _field(path, meta, "format_version", "", "an integer")
+    if isinstance(meta.get("arrays"), dict):
+        upgrade_names(meta["arrays"])
     if meta["format_version"] not in READABLE_VERSIONS:  # before the shape checks: another shape, perhaps
         raise StateFileError(
             f"{path} was written in ExGRPO state format version {meta['format_version']}, this version of "
@@ -535,7 +549,7 @@ def _check_shape(path: Path, meta: dict[str, Any]) -> None:
         _field(path, meta, section, "", "an object")
 
     arrays = meta["arrays"]
-    for name in ("completion_ids", "logps", "lengths", "steps"):
+    for name in ("completion_ids", "logps", "lengths", "collected_at"):
         _field(path, arrays, name, "arrays", "an object")
     for name, entry in arrays.items():  # every listed array is checked against the file, so every one is read
         _expect(path, f"arrays.{name}", entry, "an object")
@@ -618,6 +632,7 @@ def read_arrays(directory: str | os.PathLike, meta: dict[str, Any]) -> dict[str,
         arrays = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
         raise StateFileError(f"ExGRPO buffer file is truncated or corrupted: {path} ({e})") from e
+    upgrade_names(arrays)
     for name, expected in meta["arrays"].items():
         array = arrays.get(name)
         if array is None or array.size != expected["size"] or str(array.dtype) != expected["dtype"]:

@@ -42,7 +42,7 @@ from ..state_file import (
     verify_arrays,
 )
 
-SMALL_ARRAYS = ("lengths", "steps")  # the only arrays read (one entry per trajectory)
+SMALL_ARRAYS = ("lengths", "collected_at")  # the only arrays read (one entry per trajectory)
 
 
 def _missing_state_hint(checkpoint: Path) -> str:
@@ -69,7 +69,7 @@ def summarize(checkpoint: str | Path, *, verify: bool = False) -> dict[str, Any]
         verify_arrays(checkpoint, meta)  # every array, every CRC-32, read in chunks
     # header checked against state.json, so its sizes and dtypes are those of the file
     small, arrays = read_small_arrays(checkpoint, meta, SMALL_ARRAYS), meta["arrays"]
-    lengths, steps = small["lengths"].astype(np.int64), small["steps"].astype(np.int64)
+    lengths, steps = small["lengths"].astype(np.int64), small["collected_at"].astype(np.int64)
 
     buffer = meta["buffer"]  # read_meta checked the type of every field used here
     k_gen = buffer["config"]["num_generations"]
@@ -80,7 +80,7 @@ def summarize(checkpoint: str | Path, *, verify: bool = False) -> dict[str, Any]
     if num_trajectories != lengths.size or steps.size != lengths.size or num_tokens != num_ids:
         raise StateFileError(
             f"ExGRPO state in {state_dir} is inconsistent: {num_trajectories} trajectories listed, {lengths.size} "
-            f"lengths and {steps.size} steps saved, lengths add up to {num_tokens} tokens for "
+            f"lengths and {steps.size} stamps saved, lengths add up to {num_tokens} tokens for "
             f"{num_ids} ids"
         )
 
@@ -97,7 +97,7 @@ def summarize(checkpoint: str | Path, *, verify: bool = False) -> dict[str, Any]
         }
     itemsize = {name: np.dtype(a["dtype"]).itemsize for name, a in arrays.items()}
     token_bytes = num_tokens * (itemsize["completion_ids"] + itemsize["logps"])
-    per_trajectory_bytes = lengths.size * (itemsize["lengths"] + itemsize["steps"])
+    per_trajectory_bytes = lengths.size * (itemsize["lengths"] + itemsize["collected_at"])
     files = {name: (state_dir / name).stat().st_size for name in (ARRAYS_FILENAME, META_FILENAME)}
     trainer = meta["trainer"]
     clock = trainer.get("generation_batches")
@@ -164,7 +164,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ),
         (
             f"bytes         {b['token_data']:,} of token ids + log-probs ({b['per_token']:.2f} per token), "
-            f"{b['per_trajectory_arrays']:,} of lengths + steps; on disk {b['files'][ARRAYS_FILENAME]:,} "
+            f"{b['per_trajectory_arrays']:,} of lengths + stamps; on disk {b['files'][ARRAYS_FILENAME]:,} "
             f"({ARRAYS_FILENAME}) + {b['files'][META_FILENAME]:,} ({META_FILENAME})"
         ),
     ]

@@ -228,7 +228,7 @@ def test_a_state_that_counted_draws_is_moved_onto_the_clock():
     buffer = filled({3: 2, 4: 2}, replay_cooldown=2)
     keys = list(buffer.questions)
     arrays, meta = buffer.state_dict()
-    arrays["steps"] = np.array([0, 6, 10, 13])
+    arrays["collected_at"] = np.array([0, 6, 10, 13])
     old = {k: v for k, v in meta.items() if k not in ("clock", "recent")}
     old |= {"draws": 3, "replayed_at": {keys[0]: 1, keys[1]: 2}, "recent_draws": [[keys[2]], [keys[0]], [keys[1]]]}
     restored = ExperienceBuffer(8, ExGRPOSettings(replay_cooldown=2))

@@ -174,7 +174,7 @@ def _exported(state):
     trajectory is put on the new run's clock (collected at 0)."""
     arrays, meta = state
     questions = [{k: q[k] for k in ("key", "k", "row", "num_trajectories")} for q in meta["questions"]]
-    return {k: v for k, v in arrays.items() if k != "steps"}, questions, meta["config"]
+    return {k: v for k, v in arrays.items() if k != "collected_at"}, questions, meta["config"]
 
 
 @pytest.mark.parametrize("source", ["out", "parquet"])
@@ -182,7 +182,7 @@ def test_seeding_with_the_same_tokenizer_restores_the_buffer(run, tmp_path, toke
     with caplog.at_level(logging.INFO, logger="exgrpo_trl.trainer"):
         seeded = make_trainer(tmp_path, tokenizer, **SMALL, initial_experience=str(run[source])).exgrpo_state.buffer
     assert _exported(state_of(seeded)) == _exported(state_of(run["buffer"]))
-    assert set(state_of(run["buffer"])[0]["steps"]) != {0} and set(state_of(seeded)[0]["steps"]) == {0}
+    assert set(state_of(run["buffer"])[0]["collected_at"]) != {0} and set(state_of(seeded)[0]["collected_at"]) == {0}
     assert not seeded.retired
     buffer = run["buffer"]
     messages = [r.getMessage() for r in caplog.records if r.name == "exgrpo_trl.trainer"]
@@ -309,7 +309,8 @@ def test_multi_turn_columns_round_trip(tmp_path, tokenizer):
     # the same generator seed and no retired set: the whole state, but for the stamps (this run's clock: 0)
     seeded_arrays, seeded_meta = state_of(same)
     arrays, meta = state_of(buffer)
-    assert seeded_meta == meta and seeded_arrays == {**arrays, "steps": [0, 0]} and arrays["steps"] == [4, 5]
+    assert seeded_meta == meta and seeded_arrays == {**arrays, "collected_at": [0, 0]}
+    assert arrays["collected_at"] == [4, 5]
     other = ExperienceBuffer(K)
     report = seed_buffer(other, out, fingerprint="another", tokenize=tokenize, max_length=12)
     assert (report.questions, report.trajectories, report.multi_turn, report.retokenized) == (1, 1, 1, True)

@@ -82,7 +82,7 @@ def test_text_output(checkpoint, capsys):
         "retired       2",
         "stored tokens 27  (per trajectory: mean 4.5, min 2, max 7)",
     ]
-    assert out[5].startswith("bytes         162 of token ids + log-probs (6.00 per token), 96 of lengths + steps; ")
+    assert out[5].startswith("bytes         162 of token ids + log-probs (6.00 per token), 96 of lengths + stamps; ")
     assert out[6:12] == [
         "collected at  generation batches 1 to 6",
         "age           1 to 6 generation batches (median 3.5)",
@@ -289,9 +289,9 @@ def test_corrupted_arrays(checkpoint, capsys):
     assert main([str(checkpoint), "--verify"]) == 1
     assert "checksum of 'completion_ids' differs" in capsys.readouterr().err
     flip("completion_ids")  # undo
-    flip("steps")
+    flip("collected_at")
     assert main([str(checkpoint)]) == 1
-    assert "checksum of 'steps' differs" in capsys.readouterr().err
+    assert "checksum of 'collected_at' differs" in capsys.readouterr().err
 
 
 def test_plain_grpo_checkpoint_and_output_folder_hints(tmp_path, checkpoint, capsys):

@@ -119,6 +119,32 @@ def _flip_last_byte(path):
     path.write_bytes(bytes(data))
 
 
+def test_a_state_saved_before_the_stamps_were_named_collected_at_loads(tmp_path):
+    # Before, each trajectory's stamp was saved as "steps" (state.json's list and the safetensors header); the bytes
+    # and their CRC-32 are the same. Rename it back in both, padding the header with spaces to its length (which
+    # safetensors allows), and the state loads into the same buffer; `exgrpo inspect` reads it too.
+    from exgrpo_trl.cli.inspect import summarize
+    from tests.helpers import state_of
+
+    buffer = sample_buffer()
+    save_state(tmp_path, buffer, {"replay_active": True, "generation_batches": 12})
+    folder = tmp_path / STATE_DIRNAME
+    data = (folder / ARRAYS_FILENAME).read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    header["steps"] = header.pop("collected_at")
+    old = json.dumps(header, separators=(",", ":")).encode()
+    (folder / ARRAYS_FILENAME).write_bytes(data[:8] + old + b" " * (n - len(old)) + data[8 + n :])
+    meta = json.loads((folder / META_FILENAME).read_text())
+    meta["arrays"] = {("steps" if k == "collected_at" else k): v for k, v in meta["arrays"].items()}
+    (folder / META_FILENAME).write_text(json.dumps(meta))
+    assert "steps" in (folder / META_FILENAME).read_text() and b'"steps"' in (folder / ARRAYS_FILENAME).read_bytes()
+    restored = ExperienceBuffer(8)
+    load_state(tmp_path, restored)
+    assert state_of(restored) == state_of(buffer)
+    assert summarize(tmp_path, verify=True)["collected_steps"] == [0, 11]
+
+
 def _edit_meta(directory, **changes):
     meta = json.loads((directory / META_FILENAME).read_text())
     meta.update(changes)

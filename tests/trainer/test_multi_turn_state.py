@@ -100,7 +100,8 @@ def test_single_turn_state_stays_format_1(tmp_path):
     buffer.update_group("q", 2, {"prompt": "1+1="}, [Trajectory(np.array([3, EOS]), np.array([-1.0, -2.0]), 0)])
     save_state(tmp_path, buffer, {})
     meta = read_meta(tmp_path)
-    assert meta["format_version"] == 1 and sorted(meta["arrays"]) == ["completion_ids", "lengths", "logps", "steps"]
+    assert meta["format_version"] == 1
+    assert sorted(meta["arrays"]) == ["collected_at", "completion_ids", "lengths", "logps"]
     assert "records" not in meta["buffer"]["questions"][0]
     header = json.loads((tmp_path / STATE_DIRNAME / ARRAYS_FILENAME).read_bytes()[8:].split(b"}}")[0] + b"}}")
     assert header["__metadata__"]["version"] == "1"
