@@ -536,19 +536,3 @@ def _has_records(entry: QuestionEntry) -> bool:
 
 def _same_ids(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and bool(np.array_equal(a, b))
-
-
-def _capped_multinomial(rng: np.random.Generator, n: int, p: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Multinomial counts over buckets, none above its bucket's size: the excess is redrawn among buckets with room."""
-    counts = np.zeros_like(sizes)
-    remaining = n
-    probs = p.copy()
-    while remaining > 0:
-        room = sizes - counts
-        probs = np.where(room > 0, probs, 0.0)
-        if probs.sum() <= 0:  # only zero-weight buckets have room: spread over them uniformly
-            probs = (room > 0).astype(np.float64)
-        draw = rng.multinomial(remaining, probs / probs.sum())
-        counts = counts + np.minimum(draw, room)
-        remaining = int(n - counts.sum())
-    return counts

@@ -5,7 +5,9 @@ folder and then loaded from disk. The study, the demo and Countdown start from i
 Why ship them: the addition warm start sits on a sharp transition (held-out pass@1 0.31 at 1,200 supervised steps,
 0.76 at 1,500), so a last-bit difference between two CPUs' kernels (AVX2 against AVX-512) decides which side a rebuild
 lands on. A shipped entry is the exact file the registered runs trained from; its ``warm_start.json`` records the
-weights' sha256 (`weights_sha256`, checked on every load) and its held-out pass@1.
+weights' sha256 (`weights_sha256`, checked on every load) and its held-out pass@1. Anything registered from now on
+takes a warm-start length on a plateau of held-out pass@1 (where a few steps more or less change it little), never on
+a transition like addition's, and ships its entry (`python -m lab.study.ship`) before the first run.
 
 - `SupervisedTask`: what a warm start other than addition trains on (an alphabet and an example generator), named
   for the cache key.

@@ -15,7 +15,9 @@ def test_the_package_holds_its_layout():
     problems, graph = check_imports.check(ROOT / "exgrpo_trl")
     assert problems == []
     assert "exgrpo_trl.replay" in graph and "exgrpo_trl.cli.train" in graph
-    assert graph["exgrpo_trl.replay"] == {"exgrpo_trl.buffer", "exgrpo_trl.settings"}
+    assert graph["exgrpo_trl.replay"] == {"exgrpo_trl.buffer"}  # the plan, rows and collection
+    # the draw: every rule, on the buffer and the settings, building the plan
+    assert graph["exgrpo_trl.draw"] == {"exgrpo_trl.buffer", "exgrpo_trl.replay", "exgrpo_trl.settings"}
     assert graph["exgrpo_trl.settings"] == set()  # the settings import nothing of the package
 
 
