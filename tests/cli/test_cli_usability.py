@@ -489,6 +489,14 @@ def test_ctrl_c_is_one_line_and_rerunning_resumes(toy_dir, tmp_path):
     assert resumed.keys() == never.keys() and all(resumed[k].equal(never[k]) for k in never)
 
 
+def _as_a_terminal_starts_it() -> None:
+    """In the child: Ctrl-C's default action, as a terminal's shell has it (a suite started in the background, with
+    `&`, has SIGINT ignored, and an ignored signal is inherited: tee would survive it), and the pseudo-terminal as
+    the controlling terminal."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
 def _in_a_terminal(script: str, cwd: Path, env: dict) -> tuple[int, str]:
     """Run the shell command line `script` as a terminal runs it: bash in a session of its own, a pseudo-terminal as
     its controlling terminal and its stdin, stdout and stderr; returns bash's exit status and what the terminal
@@ -502,7 +510,7 @@ def _in_a_terminal(script: str, cwd: Path, env: dict) -> tuple[int, str]:
         stdout=slave,
         stderr=slave,
         start_new_session=True,
-        preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+        preexec_fn=_as_a_terminal_starts_it,
     )
     os.close(slave)
     shown = bytearray()
