@@ -50,7 +50,15 @@ def _complete_steps(out: Path) -> list[int]:
     if not out.is_dir():
         return []
     steps = [checkpoint_step(p.name) for p in out.glob("checkpoint-*")]
-    return sorted(s for s in steps if s is not None and not checkpoint_problems(out / f"checkpoint-{s}"))
+    return sorted(s for s in steps if s is not None and _complete(out / f"checkpoint-{s}"))
+
+
+def _complete(checkpoint: Path) -> bool:
+    """Whether the running trainer's checkpoint is complete; one it rotates away while it is looked at is not."""
+    try:
+        return not checkpoint_problems(checkpoint)
+    except FileNotFoundError:  # this poller races the training process's rotation
+        return False
 
 
 def _newest(out: Path) -> int:
