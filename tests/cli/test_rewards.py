@@ -130,6 +130,10 @@ def verifier():
     v.close()
 
 
+# An alarm that lands in a finalizer the garbage collector runs mid-parse is printed and dropped by Python, by design
+# (the timer fires again: test_a_time_limit_that_lands_in_a_finalizer_still_stops_the_phase); what is asserted here
+# is the reward and the time, so pytest's warning about the dropped exception is not a failure of this test.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("name", sorted(PATHOLOGICAL))
 def test_pathological_inputs_main_thread(verifier, name):
     assert len(PATHOLOGICAL["text_100kb"]) > 100_000
