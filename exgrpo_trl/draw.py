@@ -118,17 +118,15 @@ def choose_questions(buffer: ExperienceBuffer, n: int, clock: int) -> list[str]:
     n = min(int(n), sum(len(m) for m in members_of.values()))
     if n <= 0:
         return []
-    if settings.replay_priority == "advantage":
+    if settings.replay_priority == "advantage" or settings.question_selection == "uniform":  # over the questions
         keys = [q for q in buffer.questions if eligible(buffer, q, clock)]
-        weights = np.array([question_priority(buffer, q) for q in keys], dtype=np.float64)
-        if np.count_nonzero(weights) < n:  # too few weighted: the rest uniformly among the others
-            weights = np.where(weights > 0, weights, weights[weights > 0].min() if weights.any() else 1.0)
-        picked = buffer.rng.choice(len(keys), size=n, replace=False, p=weights / weights.sum())
-        return [keys[i] for i in picked]
-    if settings.question_selection == "uniform":
-        keys = [q for q in buffer.questions if eligible(buffer, q, clock)]
-        picked = buffer.rng.choice(len(keys), size=n, replace=False)
-        return [keys[i] for i in picked]
+        p = None  # uniform
+        if settings.replay_priority == "advantage":
+            weights = np.array([question_priority(buffer, q) for q in keys], dtype=np.float64)
+            if np.count_nonzero(weights) < n:  # too few weighted: the rest uniformly among the others
+                weights = np.where(weights > 0, weights, weights[weights > 0].min() if weights.any() else 1.0)
+            p = weights / weights.sum()
+        return [keys[i] for i in buffer.rng.choice(len(keys), size=n, replace=False, p=p)]
 
     buckets = [b for b, members in members_of.items() if members]
     probs = gaussian_bucket_probabilities(buckets, buffer.num_generations, settings.replay_mu, settings.replay_sigma)

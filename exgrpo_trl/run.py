@@ -246,9 +246,10 @@ class ExGRPORun:
             rows, outcome, seen.completion_ids, process_index=state.ranks.process_index, k=k, collecting=collecting,
             stop_ids=self.rollouts.stop_ids, micro_batches_left=micro_batches_left, clock=batch.clock, masks=masks,
         )  # fmt: skip
-        advantages = output["advantages"]  # TRL's, of this rank's rows: what a stored success carried (priority)
-        for local, stored in pending.rows.items():
-            stored.advantage = float(advantages[local])
+        if pending.rows:  # TRL's advantages of this rank's rows, one copy to the host: what a stored success carried
+            advantages = output["advantages"].tolist()
+            for local, stored in pending.rows.items():
+                stored.advantage = advantages[local]
         for local in list(pending.rows):
             try:
                 pending.rows[local].record = self._row_record(batch, local)
