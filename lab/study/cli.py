@@ -3,6 +3,7 @@
 python -m lab.study --tasks countdown-hard --arms grpo,exgrpo --seeds 0-4
 python -m lab.study --report-only
 python -m lab.study --confirm                       # the registered study (lab.study.confirm)
+python -m lab.study --policies                      # the registered comparison of replay rules (lab.study.policies)
 python -m lab.study --verify RUN.json --updates 50  # retrain a run's first updates, compare what the analysis reads
 python -m lab.study --replicate addition --seeds 25-27  # a registered setting's arms at fresh seeds, on this machine
 
@@ -17,7 +18,7 @@ import sys
 from pathlib import Path
 
 from ..warm_start import SOURCES, warm_start_source
-from . import confirm, replicate
+from . import confirm, policies, replicate
 from .report import report
 from .run import run_one
 from .schedule import _parse_seeds, run_missing, run_path
@@ -53,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"the registered study ({confirm.RESULTS}/plan.md): its runs in its order, from a committed tree and "
         "the commit of the runs already saved, then its analysis (with --report-only: the analysis only)",
+    )
+    p.add_argument(
+        "--policies",
+        action="store_true",
+        help=f"the registered comparison of replay rules ({policies.RESULTS}/plan.md), run and read like --confirm",
     )
     p.add_argument(
         "--verify",
@@ -95,7 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.results is None:
         args.results = Path(
-            confirm.RESULTS if args.confirm else replicate.DEFAULT_RESULTS if args.replicate else DEFAULT_RESULTS
+            confirm.RESULTS
+            if args.confirm
+            else policies.RESULTS
+            if args.policies
+            else replicate.DEFAULT_RESULTS
+            if args.replicate
+            else DEFAULT_RESULTS
         )
     if args.arms is None:
         args.arms = ",".join(confirm.ARMS if args.replicate else MAIN_ARMS)
@@ -105,9 +117,14 @@ def main(argv: list[str] | None = None) -> int:
               "--quick or --set", file=sys.stderr)  # fmt: skip
         return 2
     args.seeds = args.seeds or "0-4"
-    if args.confirm and (args.quick or args.set):
-        print("lab.study: --confirm runs the registered settings as they are: no --quick or --set", file=sys.stderr)
+    if args.confirm and args.policies:
+        print("lab.study: --confirm and --policies are two registered studies: give one", file=sys.stderr)
         return 2
+    for flag in ("confirm", "policies"):
+        if getattr(args, flag) and (args.quick or args.set):
+            print(f"lab.study: --{flag} runs the registered settings as they are: no --quick or --set",
+                  file=sys.stderr)  # fmt: skip
+            return 2
     try:
         tasks = build_tasks(args.quick, parse_overrides(args.set))
     except ValueError as exc:
@@ -139,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         return 0
     if args.confirm:
-        return _confirm(args, tasks)
+        return _registered(args, tasks, confirm)
+    if args.policies:
+        return _registered(args, tasks, policies)
     if args.replicate:
         return _replicate(args, tasks)
     if args.control:
@@ -168,26 +187,28 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failures else 0
 
 
-def _confirm(args, tasks) -> int:
-    """The registered study: refuse an uncommitted tree or another commit's runs, train what is missing in the
-    registered order, then the analysis (and the usual report and figures)."""
+def _registered(args, tasks, plan) -> int:
+    """A registered study (`plan`: lab.study.confirm or lab.study.policies): refuse an uncommitted tree or another
+    commit's runs, train what is missing in the registered order, then the analysis (and the usual report and
+    figures)."""
     from .provenance import LAB_ROOT, DirtyTree, require_clean
 
+    flag = "confirm" if plan is confirm else "policies"
     failures = []
     if not args.report_only:
         try:
             commit = require_clean(LAB_ROOT)["commit"]
-            confirm.check_one_commit(args.results, commit)
+            plan.check_one_commit(args.results, commit)
         except (DirtyTree, ValueError) as exc:
-            print(f"lab.study: --confirm: {exc}", file=sys.stderr)
+            print(f"lab.study: --{flag}: {exc}", file=sys.stderr)
             return 2
-        todo = [key for key in confirm.registered_order() if not run_path(args.results, *key).exists()]
-        done = len(confirm.registered_order()) - len(todo)
+        todo = [key for key in plan.registered_order() if not run_path(args.results, *key).exists()]
+        done = len(plan.registered_order()) - len(todo)
         print(f"lab.study: the registered study at {commit[:12]}: {len(todo)} runs to train, {done} found", flush=True)
         failures = run_missing(args, tasks, todo) if todo else []
     if any(args.results.glob("*/*/seed*.json")):
         report(args.results, None, None)
-    _, text = confirm.analyse(args.results)
+    _, text = plan.analyse(args.results)
     print(text)
     for failure in failures:
         print(failure, file=sys.stderr)

@@ -112,14 +112,18 @@ def _verdict(c: dict[str, Any], primary: bool) -> str:
     return "not resolved"
 
 
-def comparisons(runs: list[dict]) -> list[dict[str, Any]]:
-    """Every registered comparison with its figures, Holm-corrected within its family (module docstring)."""
+FAMILIES = (("primary", PRIMARY, SETTINGS), ("secondary", SECONDARY, SETTINGS))
+
+
+def comparisons(runs: list[dict], families: tuple = FAMILIES) -> list[dict[str, Any]]:
+    """Every registered comparison with its figures, Holm-corrected within its family (module docstring).
+    `families`: (name, (arm, base) pairs, settings) for "primary" and "secondary"; the AUC is descriptive."""
     by_setting: dict[str, list[dict]] = {}
     for r in runs:
         by_setting.setdefault(r["task"], []).append(r)
     out = []
-    for family, pairs in (("primary", PRIMARY), ("secondary", SECONDARY)):
-        for setting in SETTINGS:
+    for family, pairs, settings in families:
+        for setting in settings:
             for arm, base in pairs:
                 values = paired(by_setting.get(setting, []), arm, base)
                 for key, label in AXES + AUC_AXES:
@@ -144,14 +148,14 @@ def comparisons(runs: list[dict]) -> list[dict[str, Any]]:
     return out
 
 
-def concentration(runs: list[dict]) -> list[dict[str, Any]]:
+def concentration(runs: list[dict], settings: tuple = SETTINGS, arms: tuple = ARMS) -> list[dict[str, Any]]:
     """Per setting and replaying arm, the concentration of replay from each run's generation-batch records:
     `exgrpo/replay/reuse` (replays per distinct replayed question over the last 50 draws) averaged over the run's
     batches and at its end, and the repeat share averaged over the run; the median over seeds and the per-seed
     values."""
     out = []
-    for setting in SETTINGS:
-        for arm in ARMS:
+    for setting in settings:
+        for arm in arms:
             records = sorted((r for r in runs if r["task"] == setting and r["arm"] == arm), key=lambda r: r["seed"])
             per_seed = []
             for r in records:

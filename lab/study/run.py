@@ -21,7 +21,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .tasks import ARMS, PROBE_QUESTIONS, Task
+from .tasks import ARMS, PROBE_QUESTIONS, Task, arm_settings
 
 
 def _config_kwargs(task: Task, seed: int, output_dir: str) -> dict:
@@ -177,7 +177,7 @@ def run_one(
 
         # checkpoints are how a killed run resumes; they change nothing in training, so the record leaves them out
         saves = dict(save_strategy="steps", save_steps=checkpoint_every(task), save_total_limit=2)
-        config, trainer_cls = ExGRPOConfig(**{**kwargs, **saves}, **{**task.exgrpo, **arm.exgrpo}), ExGRPOTrainer
+        config, trainer_cls = ExGRPOConfig(**{**kwargs, **saves}, **arm_settings(task, arm)), ExGRPOTrainer
     settings = run_settings(task, arm_name, seed)
     made_by = provenance(
         LAB_ROOT, config=config, warm_start=warm, train_set=train_set, eval_set=eval_set, confirmatory=confirmatory

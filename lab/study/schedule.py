@@ -32,7 +32,8 @@ def _child_command(args, task: str, arm: str, seed: int) -> list[str]:
     # absolute: the child runs from the lab's folder, not the caller's
     cmd += ["--results", str(Path(args.results).resolve()), "--cache-dir", str(Path(args.cache_dir).resolve())]
     cmd += [part for item in args.set for part in ("--set", item)]
-    cmd += ["--confirm"] if getattr(args, "confirm", False) else []
+    registered = getattr(args, "confirm", False) or getattr(args, "policies", False)
+    cmd += ["--confirm"] if registered else []  # a registered run: trained only from a committed tree
     if warm_start_source() != "shipped":  # rebuilt (or taken from) the cache by this process: the children read it
         cmd += ["--warm-start-source", "cache"]
     return cmd + (["--quick"] if args.quick else [])

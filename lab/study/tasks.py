@@ -245,6 +245,7 @@ class Arm:
 
 
 _PAPER = {"max_trajectory_candidates": None}  # the paper scores every stored trajectory
+MAX_AGE_UPDATES = "max_age_updates"  # an arm's age limit in optimizer updates (`arm_settings`), not a config field
 ARMS: dict[str, Arm] = {
     "grpo": Arm("GRPO (TRL GRPOTrainer)", None),
     "exgrpo": Arm("ExGRPO, the paper's settings", dict(_PAPER)),
@@ -278,8 +279,33 @@ ARMS: dict[str, Arm] = {
         "ExGRPO with an offline solution in every fresh group",
         {**_PAPER, "offline_solutions_column": "answer"},
     ),
+    # The replay rules of arXiv 2606.04560 on ExGRPO (benchmarks/results/policies/plan.md): an age limit of tau_max
+    # optimizer updates (`MAX_AGE_UPDATES`, turned into generation batches per task by `arm_settings`) and questions
+    # drawn in proportion to the |advantage| their stored success carried; together, and each alone.
+    "rollout_recipe": Arm(
+        "the rollout-level recipe: an age limit of 10 updates and advantage priority",
+        {**_PAPER, MAX_AGE_UPDATES: 10, "replay_priority": "advantage"},
+    ),
+    "age_limit": Arm("component: the age limit of 10 updates alone", {**_PAPER, MAX_AGE_UPDATES: 10}),
+    "advantage_priority": Arm("component: advantage priority alone", {**_PAPER, "replay_priority": "advantage"}),
 }
 MAIN_ARMS = ("grpo", "exgrpo")
+
+
+def arm_settings(task: Task, arm: Arm) -> dict[str, Any]:
+    """The ExGRPOConfig fields a run of `arm` on `task` sets: the task's, then the arm's, with an age limit given in
+    optimizer updates (`MAX_AGE_UPDATES`) turned into the generation batches `replay_max_age` counts (a trajectory
+    replayed a generation batches after it was collected has seen a x steps_per_generation updates)."""
+    settings = {**task.exgrpo, **(arm.exgrpo or {})}
+    updates = settings.pop(MAX_AGE_UPDATES, None)
+    if updates is not None:
+        if updates % task.steps_per_generation:
+            raise ValueError(
+                f"{MAX_AGE_UPDATES} {updates} is not a whole number of generation batches of {task.name} "
+                f"({task.steps_per_generation} updates each)"
+            )
+        settings["replay_max_age"] = updates // task.steps_per_generation
+    return settings
 
 
 # ------------------------------------------------------------------------------------------------ smoke sizes
