@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from . import confirm
-from .confirm import ALPHA, MARGIN, _decided_by, _f, _figure, comparison_markdown, load_runs, saved_commits
+from .confirm import ALPHA, MARGIN, _f, _figure, comparison_markdown, load_runs, saved_commits
 from .regimes import final_mean, never_solved
 
 RESULTS = "benchmarks/results/policies"
@@ -109,13 +109,9 @@ def answer(rows: list[dict[str, Any]]) -> list[str]:
     else:
         out.append("**A replay rule that does not lose**: not found here; the recipe was level with or above GRPO "
                    "in no setting on either axis.")  # fmt: skip
-    parts = []
-    for arm in COMPONENTS:
-        c = {a: found.get((HARD, arm, "exgrpo", a)) for a in confirm.AXIS_WORDS}
-        if all(x and x["n"] for x in c.values()):
-            parts.append(f"{ARM_WORDS[arm]} against ExGRPO: " + "; ".join(
-                f"{SECONDARY_WORDS[x['verdict']]} at {confirm.AXIS_WORDS[a]} ({_figure(x)}, {_decided_by(x)})"
-                for a, x in c.items()))  # fmt: skip
+    parts = [f"{ARM_WORDS[arm]} against ExGRPO: {confirm._phrase(found, HARD, arm, 'exgrpo', SECONDARY_WORDS)}"
+             for arm in COMPONENTS
+             if all((found.get((HARD, arm, "exgrpo", a)) or {}).get("n") for a in confirm.AXIS_WORDS)]  # fmt: skip
     if parts:
         out.append(f"**Each rule alone** at {HARD} (exploratory, 3 seeds): " + ". ".join(parts) + ".")
     return out

@@ -1,0 +1,160 @@
+"""The registered comparison of replay rules (benchmarks/results/policies/plan.md): the arms' age limit in generation
+batches, the registered order, and the analysis's figures and words (derived by hand in the comments)."""
+
+import dataclasses
+import json
+
+import pytest
+
+from lab import study
+from lab.study import policies
+from lab.study.tasks import ARMS, MAX_AGE_UPDATES, TASKS, arm_settings
+from lab.tests.records import make_record
+
+
+def test_the_age_limit_in_updates_becomes_generation_batches():
+    # tau_max = 10 updates; addition takes 1 update per generation batch, the paper's shape 2: a trajectory replayed
+    # a batches after it was collected has seen a (resp. 2a) updates, so the limit is 10 (resp. 5) batches
+    addition, hard = TASKS["addition"], TASKS["countdown-hard"]
+    assert (addition.steps_per_generation, hard.steps_per_generation) == (1, 2)
+    recipe = arm_settings(addition, ARMS["rollout_recipe"])
+    assert recipe == {"max_trajectory_candidates": None, "replay_max_age": 10, "replay_priority": "advantage"}
+    assert arm_settings(hard, ARMS["rollout_recipe"]) == {
+        "replay_start_pass_rate": 0.0, "max_trajectory_candidates": None, "replay_max_age": 5,
+        "replay_priority": "advantage"}  # fmt: skip
+    assert arm_settings(hard, ARMS["age_limit"])["replay_max_age"] == 5
+    assert "replay_max_age" not in arm_settings(hard, ARMS["advantage_priority"])
+    assert arm_settings(hard, ARMS["grpo"]) == {"replay_start_pass_rate": 0.0}  # the task's own, nothing of the arm
+    assert MAX_AGE_UPDATES not in arm_settings(hard, ARMS["age_limit"])  # not a config field
+    # 10 updates are not a whole number of generation batches of 3 updates: refused, naming both
+    odd = dataclasses.replace(hard, steps_per_generation=3)
+    with pytest.raises(ValueError, match=r"max_age_updates 10 is not a whole number of generation batches of "
+                                         r"countdown-hard \(3 updates each\)"):  # fmt: skip
+        arm_settings(odd, ARMS["rollout_recipe"])
+
+
+def test_registered_order():
+    order = policies.registered_order()
+    assert len(order) == 3 * 5 * 2 + 3 * 3 == 39 and len(set(order)) == 39
+    # the pairs first, setting by setting, each seed's pair together
+    assert order[:4] == [("addition", "grpo", 28), ("addition", "rollout_recipe", 28), ("addition", "grpo", 29),
+                         ("addition", "rollout_recipe", 29)]  # fmt: skip
+    assert [t for t, _, _ in order[:30:10]] == list(policies.SETTINGS)
+    assert order[30:33] == [("countdown-hard", a, 28) for a in ("exgrpo", "age_limit", "advantage_priority")]
+    assert not {s for _, _, s in order} & set(range(28))  # fresh seeds: 0-24 the studies, 25-27 the replication
+    assert {a for _, a, _ in order} == set(policies.ARMS) and set(policies.ARMS) <= set(ARMS)
+
+
+def _save(root, records):
+    for r in records:
+        path = root / r["task"] / r["arm"] / f"seed{r['seed']}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(r))
+
+
+def _records(setting, finals_by_arm, seeds, batches=None):
+    """A two-point curve per run: 0.2 at 0 rollouts, the final figure at 1000 rollouts for GRPO and 950 for the
+    replaying arms."""
+    out = []
+    for arm, finals in finals_by_arm.items():
+        for seed, final in zip(seeds, finals):
+            rollouts = 1000 if arm == "grpo" else 950
+            record = make_record(setting, arm, seed, [0, 100], [0, rollouts], [0.2, final])
+            record["batches"] = (batches or {}).get(arm, [])
+            out.append(record)
+    return out
+
+
+def test_analysis_by_hand(tmp_path):
+    hard = "countdown-hard"
+    grpo = [0.30, 0.31, 0.32, 0.33, 0.34]
+    recipe = [0.31, 0.33, 0.35, 0.37, 0.39]  # + 0.01 ... 0.05 at equal updates
+    exgrpo = [0.30, 0.30, 0.30]
+    age = [0.32, 0.29, 0.33]  # + 0.02, - 0.01, + 0.03 against ExGRPO
+    batches = {"rollout_recipe": [{"age": {"mean": 2.0, "max": 4}, "replayed_groups": 8, "reuse": 1.0},
+                                  {"age": None, "replayed_groups": 0, "reuse": None},
+                                  {"age": {"mean": 4.0, "max": 10}, "replayed_groups": 4, "reuse": 3.0}]}  # fmt: skip
+    records = _records(hard, {"grpo": grpo, "rollout_recipe": recipe}, policies.SEEDS, batches)
+    records += _records(hard, {"exgrpo": exgrpo, "age_limit": age}, policies.SECONDARY_SEEDS)
+    _save(tmp_path, records)
+    payload, text = policies.analyse(tmp_path)
+    rows = {(c["arm"], c["base"], c["axis"]): c for c in payload["comparisons"] if c["setting"] == hard}
+
+    updates = rows[("rollout_recipe", "grpo", "final_updates")]
+    # mean 0.03, sd 0.0158114, t = 4.24264 at 4 df: two-sided p 0.013236; non-inferior by 0.01: t = 5.65685,
+    # one-sided p 0.002407 (test_confirm derives both)
+    assert updates["mean"] == pytest.approx(0.03) and updates["p_t"] == pytest.approx(0.013236, abs=1e-6)
+    assert updates["p_noninferior"] == pytest.approx(0.002407, abs=1e-6) and updates["family"] == "primary"
+    # 2 primary members hold data (this one setting): Holm doubles the smaller p
+    other = rows[("rollout_recipe", "grpo", "final_rollouts")]
+    assert updates["p_t_holm"] == pytest.approx(max(2 * min(updates["p_t"], other["p_t"]), updates["p_t"]))
+    assert updates["verdict"] == "above"
+    # age_limit - exgrpo at 3 seeds: 0.02, -0.01, 0.03: mean 0.013333, deviations 0.006667, -0.023333, 0.016667,
+    # sum of squares 8.6667e-4, sd sqrt(4.3333e-4) = 0.020817, se 0.012019, t = 1.10940; at 2 df
+    # P(|T| <= t) = t / sqrt(2 + t^2) = 1.10940 / 1.79744 = 0.61721: p = 0.38279; the 8 sign patterns of (0.02,
+    # 0.01, 0.03) reach |sum| >= 0.04 in 4: sign-flip p 0.5
+    secondary = rows[("age_limit", "exgrpo", "final_updates")]
+    assert secondary["mean"] == pytest.approx(0.013333, abs=1e-6) and secondary["n"] == 3
+    assert secondary["p_t"] == pytest.approx(0.38279, abs=1e-5) and secondary["p_sign_flip"] == 0.5
+    assert secondary["family"] == "secondary" and secondary["verdict"] == "not resolved"
+    assert "p_noninferior" not in secondary
+    # the recipe against ExGRPO: descriptive, on the 3 seeds both ran (0.01, 0.03, 0.05 at equal updates)
+    descriptive = rows[("rollout_recipe", "exgrpo", "final_updates")]
+    assert descriptive["family"] == "descriptive" and descriptive["n"] == 3 and "verdict" not in descriptive
+    assert descriptive["mean"] == pytest.approx(0.03)
+    # what was replayed: mean of the batch means with an age (2, 4 -> 3), the largest (10), replayed groups per
+    # batch (8, 0, 4 -> 4), reuse (1, 3 -> 2); every seed the same, so the medians too
+    profile = {(p["setting"], p["arm"]): p for p in payload["replay_profile"]}
+    p = profile[(hard, "rollout_recipe")]
+    assert (p["age_mean"], p["age_max"], p["replayed_groups"], p["reuse_mean"], p["seeds"]) == (3.0, 10, 4.0, 2.0, 5)
+    assert "| countdown-hard | rollout_recipe | 5 | 3.00 / 10 | 4.0 | 2.00 |" in text
+    assert len(payload["missing"]) == 39 - 16 and "Runs in: 16 of 39" in text and payload["answer"] == []
+    # for a user: GRPO's median final 0.32; at equal rollouts GRPO is read at 950 of 1000 rollouts, 0.2 + 0.95 (g -
+    # 0.2): the differences are 0.01 + 0.005, 0.02 + 0.0055, ... (mean 0.036, sd 0.0166, half-width 0.0206)
+    assert "| 0.320 | +0.036 [+0.015, +0.057], above / +0.030 [+0.010, +0.050], above (5 seeds) |" in text
+    assert (tmp_path / "analysis.md").read_text() == text
+
+
+def test_the_registered_answer_in_the_plans_words():
+    """Each outcome is written as plan.md's "What will be written for each outcome" says: the recipe below GRPO at
+    addition, level at the paper's shape, above at the hard point; a replay rule that does not lose only where it was
+    level or above; each rule alone against ExGRPO."""
+    grpo = [0.30, 0.31, 0.32, 0.33, 0.34]
+    runs = _records("addition", {"grpo": grpo, "rollout_recipe": [g - 0.10 - 0.001 * i for i, g in enumerate(grpo)]},
+                    policies.SEEDS)  # fmt: skip
+    # level at equal updates: mean 0, sd 0.0016, so t = 0 (no difference) and a loss of 0.01 is ruled out (t = 0.01 /
+    # (0.0016 / sqrt 5) = 14); at equal rollouts GRPO is read at 950 of its 1000 rollouts, + 0.05 (g - 0.2) each
+    level = [0.002, -0.001, 0.0, 0.001, -0.002]
+    runs += _records("countdown-paper-lr2.5e-5", {"grpo": grpo, "rollout_recipe": [g + d for g, d in
+                                                                                    zip(grpo, level)]},
+                     policies.SEEDS)  # fmt: skip
+    runs += _records("countdown-hard", {"grpo": grpo, "rollout_recipe": [g + 0.05 for g in grpo]}, policies.SEEDS)
+    secondary = {"exgrpo": [0.3, 0.3, 0.3], "age_limit": [0.32, 0.29, 0.33], "advantage_priority": [0.2, 0.21, 0.19]}
+    runs += _records("countdown-hard", secondary, policies.SECONDARY_SEEDS)
+    bullets = policies.answer(policies.comparisons(runs))
+    assert bullets[0].startswith("**addition**: ExGRPO with the age limit and advantage priority ended below GRPO at "
+                                 "both equal generated rollouts")  # fmt: skip
+    assert "was level with GRPO (not worse by 0.01 or more) at equal updates" in bullets[1]
+    assert bullets[2].startswith(
+        "**countdown-hard**: ExGRPO with the age limit and advantage priority ended above GRPO"
+    )
+    assert bullets[3].startswith("**A replay rule that does not lose**: only in ") and "addition" not in bullets[3]
+    assert "countdown-hard at equal updates" in bullets[3]
+    assert bullets[4].startswith("**Each rule alone** at countdown-hard (exploratory, 3 seeds): the age limit alone "
+                                 "against ExGRPO: not told apart")  # fmt: skip
+    assert "advantage priority alone against ExGRPO: below at both equal generated rollouts (-0.100" in bullets[4]
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (
+            ["--policies", "--quick"],
+            "lab.study: --policies runs the registered settings as they are: no --quick or --set\n",
+        ),  # fmt: skip
+        (["--policies", "--confirm"], "lab.study: --confirm and --policies are two registered studies: give one\n"),
+    ],
+)
+def test_policies_refusals(tmp_path, capsys, argv, line):
+    assert study.main([*argv, "--results", str(tmp_path / "r")]) == 2
+    assert capsys.readouterr().err == line and not (tmp_path / "r").exists()
