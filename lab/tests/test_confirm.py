@@ -97,9 +97,10 @@ def test_a_confirmatory_run_refuses_uncommitted_changes(tmp_path, monkeypatch, c
     with pytest.raises(provenance.DirtyTree):
         study_run.run_one(task, "grpo", 0, None, str(tmp_path / "cache"), str(tmp_path / "w"), confirmatory=True)
     assert not (tmp_path / "cache").exists()
-    assert study.main(["--confirm", "--results", str(tmp_path / "results")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--confirm: uncommitted changes to tracked files" in err
+    for flag in ("--confirm", "--policies"):
+        assert study.main([flag, "--results", str(tmp_path / "results")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{flag}: uncommitted changes to tracked files" in err
 
 
 @pytest.mark.parametrize("shrink", [["--quick"], ["--set", "steps=10"]], ids=["quick", "set"])
@@ -126,16 +127,18 @@ def test_one_commit_per_registered_study(tmp_path):
         confirm.check_one_commit(results, "b" * 40)
 
 
-def test_the_committed_runs_and_the_plan_above_its_line_are_the_registered_commit():
-    """Every committed registered run records one commit; plan.md's text above its notes line is that commit's plan,
-    unchanged (later notes only below it). Needs the commit in this clone's history (not in a shallow clone)."""
+@pytest.mark.parametrize("folder", ["confirm", "policies"])
+def test_the_committed_runs_and_the_plan_above_its_line_are_the_registered_commit(folder):
+    """Every committed run of a registered study records one commit; plan.md's text above its notes line is that
+    commit's plan, unchanged (later notes only below it). Needs the commit in this clone's history (not in a shallow
+    clone)."""
     repo = provenance.LAB_ROOT
-    root = repo / "benchmarks" / "results" / "confirm"
+    root = repo / "benchmarks" / "results" / folder
     commits = {json.loads(p.read_text())["provenance"]["commit"] for p in root.glob("*/*/seed*.json")}
     assert len(commits) == 1, commits
     commit = commits.pop()
     line = "Notes added after the runs began"
-    registered = subprocess.run(["git", "show", f"{commit}:benchmarks/results/confirm/plan.md"], cwd=repo,
+    registered = subprocess.run(["git", "show", f"{commit}:benchmarks/results/{folder}/plan.md"], cwd=repo,
                                 capture_output=True, text=True)  # fmt: skip
     if registered.returncode != 0:
         pytest.skip(f"commit {commit[:12]} is not in this clone's history")
