@@ -13,7 +13,7 @@ import pytest
 from lab import study
 from lab.study import confirm, provenance, stats
 from lab.study import run as study_run
-from lab.tests.records import make_record
+from lab.tests.records import arm_records
 
 
 # ------------------------------------------------------------------------------------------------ statistics
@@ -251,16 +251,7 @@ def test_verify_fails_an_empty_comparison():
 
 # ------------------------------------------------------------------------------------------------ analysis
 def _runs(setting, finals_by_arm, batches_by_arm=None):
-    """One record per arm and seed: a two-point curve (warm start 0.2 at 0 rollouts, then the final figure at 1000
-    rollouts for GRPO and 950 for the replaying arms)."""
-    out = []
-    for arm, finals in finals_by_arm.items():
-        for seed, final in zip(confirm.SEEDS, finals):
-            rollouts = 1000 if arm == "grpo" else 950
-            record = make_record(setting, arm, seed, [0, 100], [0, rollouts], [0.2, final])
-            record["batches"] = (batches_by_arm or {}).get(arm, [])
-            out.append(record)
-    return out
+    return arm_records(setting, finals_by_arm, confirm.SEEDS, batches_by_arm)
 
 
 def test_analysis_by_hand(tmp_path):

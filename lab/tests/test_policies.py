@@ -9,7 +9,7 @@ import pytest
 from lab import study
 from lab.study import policies
 from lab.study.tasks import ARMS, MAX_AGE_UPDATES, TASKS, arm_settings
-from lab.tests.records import make_record
+from lab.tests.records import arm_records
 
 
 def test_the_age_limit_in_updates_becomes_generation_batches():
@@ -52,19 +52,6 @@ def _save(root, records):
         path.write_text(json.dumps(r))
 
 
-def _records(setting, finals_by_arm, seeds, batches=None):
-    """A two-point curve per run: 0.2 at 0 rollouts, the final figure at 1000 rollouts for GRPO and 950 for the
-    replaying arms."""
-    out = []
-    for arm, finals in finals_by_arm.items():
-        for seed, final in zip(seeds, finals):
-            rollouts = 1000 if arm == "grpo" else 950
-            record = make_record(setting, arm, seed, [0, 100], [0, rollouts], [0.2, final])
-            record["batches"] = (batches or {}).get(arm, [])
-            out.append(record)
-    return out
-
-
 def test_analysis_by_hand(tmp_path):
     hard = "countdown-hard"
     grpo = [0.30, 0.31, 0.32, 0.33, 0.34]
@@ -74,8 +61,8 @@ def test_analysis_by_hand(tmp_path):
     batches = {"rollout_recipe": [{"age": {"mean": 2.0, "max": 4}, "replayed_groups": 8, "reuse": 1.0},
                                   {"age": None, "replayed_groups": 0, "reuse": None},
                                   {"age": {"mean": 4.0, "max": 10}, "replayed_groups": 4, "reuse": 3.0}]}  # fmt: skip
-    records = _records(hard, {"grpo": grpo, "rollout_recipe": recipe}, policies.SEEDS, batches)
-    records += _records(hard, {"exgrpo": exgrpo, "age_limit": age}, policies.SECONDARY_SEEDS)
+    records = arm_records(hard, {"grpo": grpo, "rollout_recipe": recipe}, policies.SEEDS, batches)
+    records += arm_records(hard, {"exgrpo": exgrpo, "age_limit": age}, policies.SECONDARY_SEEDS)
     _save(tmp_path, records)
     payload, text = policies.analyse(tmp_path)
     rows = {(c["arm"], c["base"], c["axis"]): c for c in payload["comparisons"] if c["setting"] == hard}
@@ -120,17 +107,17 @@ def test_the_registered_answer_in_the_plans_words():
     addition, level at the paper's shape, above at the hard point; a replay rule that does not lose only where it was
     level or above; each rule alone against ExGRPO."""
     grpo = [0.30, 0.31, 0.32, 0.33, 0.34]
-    runs = _records("addition", {"grpo": grpo, "rollout_recipe": [g - 0.10 - 0.001 * i for i, g in enumerate(grpo)]},
-                    policies.SEEDS)  # fmt: skip
+    below = [g - 0.10 - 0.001 * i for i, g in enumerate(grpo)]
+    runs = arm_records("addition", {"grpo": grpo, "rollout_recipe": below}, policies.SEEDS)
     # level at equal updates: mean 0, sd 0.0016, so t = 0 (no difference) and a loss of 0.01 is ruled out (t = 0.01 /
     # (0.0016 / sqrt 5) = 14); at equal rollouts GRPO is read at 950 of its 1000 rollouts, + 0.05 (g - 0.2) each
     level = [0.002, -0.001, 0.0, 0.001, -0.002]
-    runs += _records("countdown-paper-lr2.5e-5", {"grpo": grpo, "rollout_recipe": [g + d for g, d in
+    runs += arm_records("countdown-paper-lr2.5e-5", {"grpo": grpo, "rollout_recipe": [g + d for g, d in
                                                                                     zip(grpo, level)]},
                      policies.SEEDS)  # fmt: skip
-    runs += _records("countdown-hard", {"grpo": grpo, "rollout_recipe": [g + 0.05 for g in grpo]}, policies.SEEDS)
+    runs += arm_records("countdown-hard", {"grpo": grpo, "rollout_recipe": [g + 0.05 for g in grpo]}, policies.SEEDS)
     secondary = {"exgrpo": [0.3, 0.3, 0.3], "age_limit": [0.32, 0.29, 0.33], "advantage_priority": [0.2, 0.21, 0.19]}
-    runs += _records("countdown-hard", secondary, policies.SECONDARY_SEEDS)
+    runs += arm_records("countdown-hard", secondary, policies.SECONDARY_SEEDS)
     bullets = policies.answer(policies.comparisons(runs))
     assert bullets[0].startswith("**addition**: ExGRPO with the age limit and advantage priority ended below GRPO at "
                                  "both equal generated rollouts")  # fmt: skip
