@@ -198,7 +198,7 @@ def _registered(args, tasks, plan) -> int:
     if not args.report_only:
         try:
             commit = require_clean(LAB_ROOT)["commit"]
-            plan.check_one_commit(args.results, commit)
+            confirm.check_one_commit(args.results, commit)  # one commit per registered study
         except (DirtyTree, ValueError) as exc:
             print(f"lab.study: --{flag}: {exc}", file=sys.stderr)
             return 2

@@ -42,10 +42,6 @@ def registered_order() -> list[tuple[str, str, int]]:
     return pairs + [(HARD, a, s) for s in SECONDARY_SEEDS for a in ("exgrpo", *COMPONENTS)]
 
 
-def check_one_commit(results: Path, commit: str) -> None:
-    confirm.check_one_commit(results, commit)
-
-
 # ------------------------------------------------------------------------------------------------ analysis
 def comparisons(runs: list[dict]) -> list[dict[str, Any]]:
     """The registered comparisons (confirm.comparisons over this plan's families) and, descriptive, the recipe against
