@@ -26,6 +26,17 @@ and, from the registered study's benchmarks/results/confirm/analysis.md (`python
     confirm-concentration  exgrpo/replay/reuse per setting and arm                     docs/study.md
     confirm-reuse          what reuse can tell a user, read by the analysis's rule (one line)  docs/study.md
 
+and, from the comparison of replay rules' benchmarks/results/policies/analysis.md (`python -m lab.study --policies
+--report-only`), once the runs each one reads are in (analysis.json's complete_families):
+
+    policies-answer        its registered answer, a family's bullets once its runs are in   docs/study.md
+    policies-user          the recipe against GRPO for a user, both axes (primary)        docs/study.md
+    policies-readme        the same as one row, a column a setting (primary)               README.md
+    policies-primary       rollout_recipe - grpo, the family of 6                          docs/study.md
+    policies-secondary     each rule alone - exgrpo at countdown-hard, the family of 4    docs/study.md
+    policies-descriptive   AUC and rollout_recipe - exgrpo (all 39 runs)                  docs/study.md
+    policies-profile       what was replayed: ages, groups, reuse (all 39 runs)           docs/study.md
+
 A table whose runs are not in yet (the hard point's, while its runs train; the registered study's, until its
 analysis is written) is copied as one line saying so.
 
@@ -34,6 +45,7 @@ Only the standard library is used.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -64,11 +76,23 @@ CONFIRM_HEADINGS = {
     "confirm-secondary": "## Secondary:",
     "confirm-concentration": "## Concentration of replay",
 }
+POLICIES = ROOT / "benchmarks" / "results" / "policies"
+POLICIES_SECTIONS = {  # name: (analysis.md's heading, the families whose runs it needs)
+    "policies-answer": ("## The registered answer", ("primary",)),
+    "policies-user": ("## For a user:", ("primary",)),
+    "policies-readme": ("## For the README: one row", ("primary",)),
+    "policies-primary": ("## Primary:", ("primary",)),
+    "policies-secondary": ("## Secondary, exploratory:", ("primary", "secondary")),
+    "policies-descriptive": ("## Descriptive (no test):", ("primary", "secondary")),
+    "policies-profile": ("## What was replayed", ("primary", "secondary")),
+}
+POLICIES_NOT_YET = "_Not in yet: the registered runs this reads are training._"
 CONFIRM_NOT_YET = "_Not in yet: the registered runs are training; the analysis is written when all 60 are in._"
 PAGES = {
     "docs/study.md": ("sweep", "noise", "difficulty", "arm-pairs", "hard-pairs", "hard-diagnostics", "regimes",
-                      "paper-point", "hard-point", "confirm-answer", *CONFIRM_HEADINGS, "confirm-reuse"),
-    "README.md": ("user",),  # confirm-user's table
+                      "paper-point", "hard-point", "confirm-answer", *CONFIRM_HEADINGS, "confirm-reuse",
+                      *(n for n in POLICIES_SECTIONS if n != "policies-readme")),
+    "README.md": ("user", "policies-readme"),  # confirm-user's table, the recipe's row
 }  # fmt: skip
 
 
@@ -81,13 +105,30 @@ def table_after(report: str, heading: str, source: Path = RESULTS) -> str:
     return section[section.index("\n| ") + 1 :].split("\n\n")[0].rstrip("\n")
 
 
-def section_after(report: str, heading: str) -> str:
-    """The text of analysis.md's section `heading`, up to the next "## " heading."""
-    start = report.find(heading + "\n")
-    if start < 0:
-        raise SystemExit(f"study_tables: {CONFIRM.name} has no section {heading!r} (run `python -m lab.study "
-                         "--confirm --report-only` first)")  # fmt: skip
-    return report[start + len(heading) :].split("\n## ")[0].strip("\n")
+def section_after(report: str, heading: str, study: str = "--confirm") -> str:
+    """The text of an analysis.md's section whose heading line starts with `heading`, up to the next "## "."""
+    found = re.search(rf"^{re.escape(heading)}.*\n", report, re.M)
+    if found is None:
+        raise SystemExit(f"study_tables: the {study[2:]} analysis.md has no section {heading!r} (run `python -m "
+                         f"lab.study {study} --report-only` first)")  # fmt: skip
+    return report[found.end() :].split("\n## ")[0].strip("\n")
+
+
+def policies_tables() -> dict[str, str]:
+    """The comparison of replay rules' sections, each once the families whose runs it reads are complete."""
+    analysis, payload = POLICIES / "analysis.md", POLICIES / "analysis.json"
+    if not analysis.is_file() or not payload.is_file():
+        return dict.fromkeys(POLICIES_SECTIONS, POLICIES_NOT_YET)
+    report, done = analysis.read_text(), set(json.loads(payload.read_text()).get("complete_families", ()))
+    tables = {}
+    for name, (heading, needs) in POLICIES_SECTIONS.items():
+        text = section_after(report, heading, "--policies")
+        if name == "policies-answer":  # the bullets of the complete families, not the lines saying what comes later
+            text = "\n".join(line for line in text.splitlines() if not line.startswith("- Written later"))
+        elif name == "policies-user":  # the table, without the notes below it
+            text = text.split("\n\n")[0]
+        tables[name] = text if set(needs) <= done else POLICIES_NOT_YET
+    return tables
 
 
 def refresh(page: str, tables: dict[str, str], names: tuple[str, ...], where: str) -> str:
@@ -115,6 +156,7 @@ def main(argv: list[str]) -> int:
     reuse = [line for line in (confirm or "").splitlines() if line.startswith(CONFIRM_REUSE)]
     tables["confirm-reuse"] = reuse[0] if reuse else CONFIRM_NOT_YET
     tables["user"] = tables["confirm-user"]  # the README's answer for a user is the registered one
+    tables.update(policies_tables())
     stale = []
     for rel, names in PAGES.items():
         path = ROOT / rel

@@ -38,8 +38,22 @@ FAMILIES = (("primary", PRIMARY, SETTINGS), ("secondary", SECONDARY, (HARD,)))
 def registered_order() -> list[tuple[str, str, int]]:
     """The runs in the order the plan trains them: the grpo and rollout_recipe pairs, setting by setting (each seed's
     pair together), then at countdown-hard exgrpo and each component alone, seed by seed."""
-    pairs = [(t, a, s) for t in SETTINGS for s in SEEDS for a in ("grpo", RECIPE)]
-    return pairs + [(HARD, a, s) for s in SECONDARY_SEEDS for a in ("exgrpo", *COMPONENTS)]
+    return family_runs("primary") + family_runs("secondary")
+
+
+def family_runs(family: str) -> list[tuple[str, str, int]]:
+    """The runs a family's comparisons read, in the registered order: the primary's grpo and rollout_recipe pairs;
+    the secondary's exgrpo and each component alone at countdown-hard (the descriptive recipe - exgrpo reads both)."""
+    if family == "primary":
+        return [(t, a, s) for t in SETTINGS for s in SEEDS for a in ("grpo", RECIPE)]
+    return [(HARD, a, s) for s in SECONDARY_SEEDS for a in ("exgrpo", *COMPONENTS)]
+
+
+def complete_families(runs: list[dict]) -> tuple[str, ...]:
+    """The families whose registered runs are all saved: each one's answer is written once its own runs are in (the
+    other family's runs are other arms and cannot change it)."""
+    done = {(r["task"], r["arm"], r["seed"]) for r in runs}
+    return tuple(f for f in ("primary", "secondary") if set(family_runs(f)) <= done)
 
 
 # ------------------------------------------------------------------------------------------------ analysis
@@ -85,32 +99,61 @@ def user_table(runs: list[dict], rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def answer(rows: list[dict[str, Any]]) -> list[str]:
-    """The registered answer in the plan's words ("What will be written for each outcome")."""
+def answer(rows: list[dict[str, Any]], families: tuple[str, ...] = ("primary", "secondary")) -> list[str]:
+    """The registered answer in the plan's words ("What will be written for each outcome"), for the `families`
+    whose runs are all in: the primary's bullets (a setting each, then the question in the title), the secondary's."""
     found = confirm._by_key(rows)
     out = []
-    for setting in SETTINGS:
-        words = confirm._phrase(found, setting, RECIPE, "grpo", PRIMARY_WORDS)
-        out.append(f"**{setting}**: ExGRPO with the age limit and advantage priority {words}.")
-    verdicts = [found[(s, RECIPE, "grpo", a)]["verdict"] for s in SETTINGS for a in confirm.AXIS_WORDS]
-    not_losing = [f"{s} at {confirm.AXIS_WORDS[a]}" for s in SETTINGS for a in confirm.AXIS_WORDS
-                  if found[(s, RECIPE, "grpo", a)]["verdict"] == "above"
-                  or found[(s, RECIPE, "grpo", a)]["verdict"].startswith("non-inferior")]  # fmt: skip
-    if all(v == "above" or v.startswith("non-inferior") for v in verdicts):
-        out.append("**A replay rule that does not lose**: the recipe was level with or above GRPO in every setting "
-                   "on both axes.")  # fmt: skip
-    elif not_losing:
-        out.append(f"**A replay rule that does not lose**: only in {'; '.join(not_losing)}; elsewhere the recipe "
-                   "was below GRPO or not told apart from it.")  # fmt: skip
-    else:
-        out.append("**A replay rule that does not lose**: not found here; the recipe was level with or above GRPO "
-                   "in no setting on either axis.")  # fmt: skip
-    parts = [f"{ARM_WORDS[arm]} against ExGRPO: {confirm._phrase(found, HARD, arm, 'exgrpo', SECONDARY_WORDS)}"
-             for arm in COMPONENTS
-             if all((found.get((HARD, arm, "exgrpo", a)) or {}).get("n") for a in confirm.AXIS_WORDS)]  # fmt: skip
-    if parts:
+    if "primary" in families:
+        for setting in SETTINGS:
+            words = confirm._phrase(found, setting, RECIPE, "grpo", PRIMARY_WORDS)
+            out.append(f"**{setting}**: ExGRPO with the age limit and advantage priority {words}.")
+        out.append(_not_losing(found))
+    if "secondary" in families:
+        parts = [f"{ARM_WORDS[arm]} against ExGRPO: {confirm._phrase(found, HARD, arm, 'exgrpo', SECONDARY_WORDS)}"
+                 for arm in COMPONENTS]  # fmt: skip
         out.append(f"**Each rule alone** at {HARD} (exploratory, 3 seeds): " + ". ".join(parts) + ".")
     return out
+
+
+def _not_losing(found: dict) -> str:
+    """The question in the title, answered only for the settings and axes where the recipe was above or level."""
+    verdicts = {(s, a): found[(s, RECIPE, "grpo", a)]["verdict"] for s in SETTINGS for a in confirm.AXIS_WORDS}
+    held = [f"{s} at {confirm.AXIS_WORDS[a]}" for (s, a), v in verdicts.items()
+            if v == "above" or v.startswith("non-inferior")]  # fmt: skip
+    if len(held) == len(verdicts):
+        return "**A replay rule that does not lose**: the recipe was level with or above GRPO in every setting on " \
+            "both axes."  # fmt: skip
+    if held:
+        return f"**A replay rule that does not lose**: only in {'; '.join(held)}; elsewhere the recipe was below " \
+            "GRPO or not told apart from it."  # fmt: skip
+    return "**A replay rule that does not lose**: not found here; the recipe was level with or above GRPO in no " \
+        "setting on either axis."  # fmt: skip
+
+
+README_COLUMNS = {
+    "addition": "sums",
+    "countdown-paper-lr2.5e-5": "the paper's shape",
+    "countdown-hard": "weaker model",
+}  # the README table's rows, as short column names
+
+
+def readme_row(rows: list[dict[str, Any]]) -> str:
+    """The README's one row for the recipe: a column a setting (the user table's rows, by short name), each the
+    recipe - GRPO at equal generated rollouts / equal updates with its Holm verdict (5 seeds each)."""
+    found = confirm._by_key(rows)
+    cells = []
+    for setting in SETTINGS:
+        both = [found[(setting, RECIPE, "grpo", axis)] for axis in confirm.AXIS_WORDS]
+        cells.append(" / ".join(f"{_figure(c)}, {c['verdict'].replace(')', '; t-test)')}" for c in both))
+    head = " | ".join(README_COLUMNS[s] for s in SETTINGS)
+    return "\n".join(
+        [
+            f"| ExGRPO + both rules - GRPO | {head} |",
+            "|---|---|---|---|",
+            f"| same rollouts / same updates (5 seeds) | {' | '.join(cells)} |",
+        ]
+    )
 
 
 def replay_profile(runs: list[dict]) -> list[dict[str, Any]]:
@@ -150,9 +193,12 @@ def analyse(results: str | Path) -> tuple[dict[str, Any], str]:
     order = registered_order()
     missing = [f"{t}/{a}/seed{s}" for t, a, s in order if (t, a, s) not in done]
     commits = {c: len(v) for c, v in saved_commits(results).items()}
-    bullets = answer(rows) if not missing else []
+    families = complete_families(runs)
+    bullets = answer(rows, families)
+    pending = [f"the {f}'s, when its {len(family_runs(f))} runs are in" for f in ("primary", "secondary")
+               if f not in families]  # fmt: skip
     payload = {"comparisons": rows, "replay_profile": profile, "finals": confirm.finals(runs), "missing": missing,
-               "commits": commits, "answer": bullets}  # fmt: skip
+               "commits": commits, "answer": bullets, "complete_families": list(families)}  # fmt: skip
     lines = [
         "# Replay rules against GRPO: analysis",
         "",
@@ -173,7 +219,13 @@ def analyse(results: str | Path) -> tuple[dict[str, Any], str]:
         "",
         "## The registered answer",
         "",
-        "\n".join(f"- {b}" for b in bullets) or f"Written when all {len(order)} runs are in.",
+        "\n".join([*(f"- {b}" for b in bullets), *(f"- Written later: {p}." for p in pending)]),
+        "",
+        "## For the README: one row",
+        "",
+        readme_row(rows)
+        if "primary" in families
+        else f"Written when the {len(family_runs('primary'))} primary runs are in.",
         "",
         "## Primary: rollout_recipe - grpo (a family of 6, Holm)",
         "",

@@ -96,6 +96,9 @@ def test_analysis_by_hand(tmp_path):
     assert (p["age_mean"], p["age_max"], p["replayed_groups"], p["reuse_mean"], p["seeds"]) == (3.0, 10, 4.0, 2.0, 5)
     assert "| countdown-hard | rollout_recipe | 5 | 3.00 / 10 | 4.0 | 2.00 |" in text
     assert len(payload["missing"]) == 39 - 16 and "Runs in: 16 of 39" in text and payload["answer"] == []
+    assert payload["complete_families"] == [] and "Written when the 30 primary runs are in." in text
+    assert "- Written later: the primary's, when its 30 runs are in.\n- Written later: the secondary's, when its 9 " \
+        "runs are in." in text  # fmt: skip
     # for a user: GRPO's median final 0.32; at equal rollouts GRPO is read at 950 of 1000 rollouts, 0.2 + 0.95 (g -
     # 0.2): the differences are 0.01 + 0.005, 0.02 + 0.0055, ... (mean 0.036, sd 0.0166, half-width 0.0206)
     assert "| 0.320 | +0.036 [+0.015, +0.057], above / +0.030 [+0.010, +0.050], above (5 seeds) |" in text
@@ -130,6 +133,39 @@ def test_the_registered_answer_in_the_plans_words():
     assert bullets[4].startswith("**Each rule alone** at countdown-hard (exploratory, 3 seeds): the age limit alone "
                                  "against ExGRPO: not told apart")  # fmt: skip
     assert "advantage priority alone against ExGRPO: below at both equal generated rollouts (-0.100" in bullets[4]
+    # each family's answer alone: the primary's four bullets without the secondary's, the secondary's one alone
+    assert policies.answer(policies.comparisons(runs), ("primary",)) == bullets[:4]
+    assert policies.answer(policies.comparisons(runs), ("secondary",)) == bullets[4:]
+
+
+def test_families_are_answered_as_their_runs_land(tmp_path):
+    """The primary's answer and the README's row are written once the 30 primary runs are in, before the secondary's
+    9; the row has a column a setting: the recipe - GRPO at equal rollouts / equal updates with its Holm verdict."""
+    grpo = [0.30, 0.31, 0.32, 0.33, 0.34]
+    below = [g - 0.10 - 0.001 * i for i, g in enumerate(grpo)]
+    runs = []
+    for setting in policies.SETTINGS:
+        runs += arm_records(setting, {"grpo": grpo, "rollout_recipe": below}, policies.SEEDS)
+    _save(tmp_path, runs)
+    payload, text = policies.analyse(tmp_path)
+    assert payload["complete_families"] == ["primary"] and len(payload["missing"]) == 9
+    assert len(payload["answer"]) == 4 and payload["answer"][3].startswith("**A replay rule that does not lose**: "
+                                                                           "not found here")  # fmt: skip
+    assert "- Written later: the secondary's, when its 9 runs are in." in text
+    # at equal updates the differences are -0.100, -0.101, ..., -0.104: mean -0.102, sd 0.0015811, half-width
+    # 2.776445 x 0.0015811 / sqrt 5 = 0.001963: [-0.104, -0.100]; at equal rollouts GRPO is read at 950 of its 1000
+    # rollouts (0.2 + 0.95 (g - 0.2)): each difference 0.05 (g - 0.2) = 0.005 + 0.0005 i less negative, so -0.095,
+    # -0.0955, ..., -0.097: mean -0.096, sd 0.0005 x 1.5811 = 0.0007906, half-width 0.000982: [-0.097, -0.095]
+    row = (
+        "| same rollouts / same updates (5 seeds) | "
+        + " | ".join(["-0.096 [-0.097, -0.095], below / -0.102 [-0.104, -0.100], below"] * 3)
+        + " |"
+    )
+    assert text.split("## For the README: one row\n\n")[1].split("\n\n")[0].splitlines() == [
+        "| ExGRPO + both rules - GRPO | sums | the paper's shape | weaker model |",
+        "|---|---|---|---|",
+        row,
+    ]
 
 
 @pytest.mark.parametrize(
