@@ -119,9 +119,10 @@ def answer(rows: list[dict[str, Any]], families: tuple[str, ...] = ("primary", "
 def _not_losing(found: dict) -> str:
     """The question in the title, answered only for the settings and axes where the recipe was above or level."""
     verdicts = {(s, a): found[(s, RECIPE, "grpo", a)]["verdict"] for s in SETTINGS for a in confirm.AXIS_WORDS}
-    held = [f"{s} at {confirm.AXIS_WORDS[a]}" for (s, a), v in verdicts.items()
-            if v == "above" or v.startswith("non-inferior")]  # fmt: skip
-    if len(held) == len(verdicts):
+    axes = {s: [a for a in confirm.AXIS_WORDS if verdicts[(s, a)] == "above" or verdicts[(s, a)].startswith(
+        "non-inferior")] for s in SETTINGS}  # fmt: skip
+    held = [f"{s} {'on both axes' if len(a) == 2 else 'at ' + confirm.AXIS_WORDS[a[0]]}" for s, a in axes.items() if a]
+    if sum(map(len, axes.values())) == len(verdicts):
         return "**A replay rule that does not lose**: the recipe was level with or above GRPO in every setting on " \
             "both axes."  # fmt: skip
     if held:
