@@ -132,8 +132,10 @@ def test_the_registered_answer_in_the_plans_words():
     # at the paper's shape level at equal updates and, at equal rollouts, + 0.005 + 0.0005 i more (0.007, 0.0045,
     # 0.006, 0.0075, 0.005: mean 0.006, sd 0.00127, half-width 0.00158, above 0); above at countdown-hard on both axes
     assert "ended above GRPO at equal generated rollouts (+0.006 [+0.004, +0.008]" in bullets[1]
-    assert bullets[3] == ("**A replay rule that does not lose**: only in countdown-paper-lr2.5e-5 on both axes; "
-                          "countdown-hard on both axes; elsewhere the recipe was below GRPO or not told apart from it.")
+    assert bullets[3] == (
+        "**A replay rule that does not lose**: only in countdown-paper-lr2.5e-5 on both axes; countdown-hard on both "
+        "axes; elsewhere the recipe was below GRPO or not told apart from it."
+    )
     assert bullets[4].startswith("**Each rule alone** at countdown-hard (exploratory, 3 seeds): the age limit alone "
                                  "against ExGRPO: not told apart")  # fmt: skip
     assert "advantage priority alone against ExGRPO: below at both equal generated rollouts (-0.100" in bullets[4]
