@@ -150,7 +150,7 @@ def readme_row(rows: list[dict[str, Any]]) -> str:
     head = " | ".join(README_COLUMNS[s] for s in SETTINGS)
     return "\n".join(
         [
-            f"| ExGRPO + both rules - GRPO | {head} |",
+            f"| ExGRPO with an age limit and advantage priority - GRPO | {head} |",
             "|---|---|---|---|",
             f"| same rollouts / same updates (5 seeds) | {' | '.join(cells)} |",
         ]

@@ -168,7 +168,7 @@ def test_families_are_answered_as_their_runs_land(tmp_path):
         + " |"
     )
     assert text.split("## For the README: one row\n\n")[1].split("\n\n")[0].splitlines() == [
-        "| ExGRPO + both rules - GRPO | sums | the paper's shape | weaker model |",
+        "| ExGRPO with an age limit and advantage priority - GRPO | sums | the paper's shape | weaker model |",
         "|---|---|---|---|",
         row,
     ]
