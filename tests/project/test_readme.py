@@ -181,17 +181,14 @@ def test_sweep_tables_are_the_committed_results():
     readme_rows = [line for line in table.splitlines() if line.startswith("| ")][1:]  # not the header
     assert readme_rows == registered and len(registered) == 4
     assert all(row.count("(5 seeds)") == 2 for row in registered)
-    # and the recipe's row (benchmarks/results/policies/analysis.md, the comparison of replay rules) once the 30
-    # primary runs are in: a column a setting, both axes with their Holm verdicts; until then the line saying so
+    # and the recipe's row (benchmarks/results/policies/analysis.md, the comparison of replay rules, written once its
+    # 30 primary runs were in): a column a setting, both axes with their Holm verdicts
     policies = ROOT / "benchmarks" / "results" / "policies"
     row = readme[readme.index("<!-- study:policies-readme -->") : readme.index("<!-- /study:policies-readme -->")]
     row = row.split("\n", 1)[1].strip("\n")
-    payload = policies / "analysis.json"
-    if payload.is_file() and "primary" in json.loads(payload.read_text())["complete_families"]:
-        written = (policies / "analysis.md").read_text().split("## For the README: one row\n\n")[1].split("\n\n")[0]
-        assert row == written and row.count("(5 seeds)") == 1 and row.count("], ") == 6
-    else:
-        assert row == "_Not in yet: the registered runs this reads are training._"
+    assert "primary" in json.loads((policies / "analysis.json").read_text())["complete_families"]
+    written = (policies / "analysis.md").read_text().split("## For the README: one row\n\n")[1].split("\n\n")[0]
+    assert row == written and row.count("(5 seeds)") == 1 and row.count("], ") == 6
     check = subprocess.run([sys.executable, "scripts/study_tables.py", "--check"], cwd=ROOT, capture_output=True,
                            text=True)  # fmt: skip
     assert check.returncode == 0, check.stdout + check.stderr
