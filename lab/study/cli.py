@@ -207,7 +207,8 @@ def _registered(args, tasks, plan) -> int:
         print(f"lab.study: the registered study at {commit[:12]}: {len(todo)} runs to train, {done} found", flush=True)
         failures = run_missing(args, tasks, todo) if todo else []
     if any(args.results.glob("*/*/seed*.json")):
-        report(args.results, None, None)
+        # the usual report; exgrpo - grpo is a registered comparison in confirm's plan, not in policies'
+        report(args.results, None, None, compare=plan is confirm)
     _, text = plan.analyse(args.results)
     print(text)
     for failure in failures:

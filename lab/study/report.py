@@ -213,7 +213,7 @@ def curves_figure(grpo: dict, exgrpo: dict, path: Path, window: int = 10) -> Non
     plt.close(fig)
 
 
-def report(results: Path, tasks: list[str] | None, arms: list[str] | None) -> tuple[dict, str]:
+def report(results: Path, tasks: list[str] | None, arms: list[str] | None, compare: bool = True) -> tuple[dict, str]:
     runs = []
     for path in sorted(results.glob("*/*/seed*.json")):
         record = json.loads(path.read_text())
@@ -226,21 +226,22 @@ def report(results: Path, tasks: list[str] | None, arms: list[str] | None) -> tu
     plotted = [a for a in ARMS if any(r["arm"] == a for r in runs)]
     figure(runs, results / "study.png", plotted)
     if any(r["task"].startswith(SWEEP_FAMILY) or r["task"] in DIFFICULTY_POINTS for r in runs):
-        table += "\n" + sweep_report(runs, results)
+        table += "\n" + sweep_report(runs, results, compare)
         (results / "results.md").write_text(table + "\n")
     return summary, table
 
 
-def sweep_report(runs: list[dict], results: Path) -> str:
+def sweep_report(runs: list[dict], results: Path, compare: bool = True) -> str:
     """The step-size sweep and the difficulty axis (`regimes.compare` on both axes), the regime table and, from the
     per-generation-batch records, the diagnostics of each difficulty point; written as sweep.json, sweep.png,
-    difficulty.png and (the hardest point's seed 0, GRPO beside ExGRPO) curves.png."""
+    difficulty.png and (the hardest point's seed 0, GRPO beside ExGRPO) curves.png. `compare=False` (a registered
+    study that does not compare ExGRPO with GRPO) leaves every ExGRPO - GRPO table and figure out."""
     from . import regimes
 
     points = regimes.sweep(runs, SWEEP_FAMILY)
     earlier = [name for name in TASKS if not name.startswith(SWEEP_FAMILY) and name not in DIFFICULTY_POINTS]
     old = [p for name in earlier for p in regimes.sweep(runs, name)]
-    hard = regimes.difficulty(runs, list(DIFFICULTY_POINTS))
+    hard = regimes.difficulty(runs, list(DIFFICULTY_POINTS)) if compare else []
     by_task: dict[str, list[dict]] = {}
     order = list(TASKS)  # the earlier settings, the sweep from its largest step to its smallest, the difficulty axis
     for record in sorted(runs, key=lambda r: order.index(r["task"]) if r["task"] in order else len(order)):
@@ -259,7 +260,8 @@ def sweep_report(runs: list[dict], results: Path) -> str:
                "regimes": stats, "estimate_noise": noise}  # fmt: skip
     # a difference of two final figures, each the mean of the final model's evaluations, by chance alone
     sd = noise["std"] * math.sqrt(2 / noise["evaluations_per_run"]) if noise else None
-    regimes.sweep_figure(points, old, results / "sweep.png", sd)
+    if compare:
+        regimes.sweep_figure(points, old, results / "sweep.png", sd)
     if hard:
         regimes.difficulty_figure(hard, results / "difficulty.png", sd)
     seed0 = {r["arm"]: r for r in by_task.get(DIFFICULTY_POINTS[-1], []) if r["seed"] == 0}
@@ -270,8 +272,8 @@ def sweep_report(runs: list[dict], results: Path) -> str:
         "evaluations; equal updates: after the same optimizer updates; equal rollouts: GRPO read at ExGRPO's "
         "generated rollouts"
     )
-    lines = [f"### Step-size sweep: ExGRPO minus GRPO ({axes})", ""]
-    lines += [regimes.sweep_markdown(points, old), ""]
+    lines = [f"### Step-size sweep: ExGRPO minus GRPO ({axes})", "", regimes.sweep_markdown(points, old), ""]
+    lines = lines if compare else []
     if noise:
         lines += [
             f"Evaluation noise (of fixed models; not the spread between training runs, which the intervals over seeds "

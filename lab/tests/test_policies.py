@@ -138,7 +138,7 @@ def test_the_registered_answer_in_the_plans_words():
     )
     assert bullets[4].startswith("**Each rule alone** at countdown-hard (exploratory, 3 seeds): the age limit alone "
                                  "against ExGRPO: not told apart")  # fmt: skip
-    assert "advantage priority alone against ExGRPO: below at both equal generated rollouts (-0.100" in bullets[4]
+    assert "; advantage priority alone against ExGRPO: below at both equal generated rollouts (-0.100" in bullets[4]
     # each family's answer alone: the primary's four bullets without the secondary's, the secondary's one alone
     assert policies.answer(policies.comparisons(runs), ("primary",)) == bullets[:4]
     assert policies.answer(policies.comparisons(runs), ("secondary",)) == bullets[4:]
@@ -187,3 +187,19 @@ def test_families_are_answered_as_their_runs_land(tmp_path):
 def test_policies_refusals(tmp_path, capsys, argv, line):
     assert study.main([*argv, "--results", str(tmp_path / "r")]) == 2
     assert capsys.readouterr().err == line and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("compare", [True, False])
+def test_the_policies_report_prints_no_unregistered_exgrpo_minus_grpo(tmp_path, compare):
+    """The usual report beside a registered study: exgrpo - grpo at countdown-hard is registered in confirm's plan
+    (compare=True, its table and figures) but not in policies' (compare=False: no such table, no sweep or difficulty
+    figure), though both hold exgrpo and grpo runs there; the per-arm diagnostics stay in both."""
+    runs = arm_records("countdown-hard", {"grpo": [0.40, 0.42], "exgrpo": [0.43, 0.41]}, [1, 2])
+    for record in runs:
+        record.update(steps={"fresh_questions": [64, 32], "replayed": [0, 32], "buffer_questions": [10, 40]},
+                      replay_counts={"histogram": {"1": 32}})  # fmt: skip
+    text = study.sweep_report(runs, tmp_path, compare)
+    assert ("ExGRPO minus GRPO" in text) is compare
+    assert (tmp_path / "difficulty.png").exists() is compare and (tmp_path / "sweep.png").exists() is compare
+    assert bool(json.loads((tmp_path / "sweep.json").read_text())["difficulty"]) is compare
+    assert "### Regimes: the paper's run beside each setting" in text
