@@ -112,7 +112,7 @@ def answer(rows: list[dict[str, Any]], families: tuple[str, ...] = ("primary", "
     if "secondary" in families:
         parts = [f"{ARM_WORDS[arm]} against ExGRPO: {confirm._phrase(found, HARD, arm, 'exgrpo', SECONDARY_WORDS)}"
                  for arm in COMPONENTS]  # fmt: skip
-        out.append(f"**Each rule alone** at {HARD} (exploratory, 3 seeds): " + ". ".join(parts) + ".")
+        out.append(f"**Each rule alone** at {HARD} (exploratory, 3 seeds): " + "; ".join(parts) + ".")
     return out
 
 
