@@ -238,9 +238,9 @@ def sweep_report(runs: list[dict], results: Path, compare: bool = True) -> str:
     study that does not compare ExGRPO with GRPO) leaves every ExGRPO - GRPO table and figure out."""
     from . import regimes
 
-    points = regimes.sweep(runs, SWEEP_FAMILY)
     earlier = [name for name in TASKS if not name.startswith(SWEEP_FAMILY) and name not in DIFFICULTY_POINTS]
-    old = [p for name in earlier for p in regimes.sweep(runs, name)]
+    points = regimes.sweep(runs, SWEEP_FAMILY) if compare else []
+    old = [p for name in earlier for p in regimes.sweep(runs, name)] if compare else []
     hard = regimes.difficulty(runs, list(DIFFICULTY_POINTS)) if compare else []
     by_task: dict[str, list[dict]] = {}
     order = list(TASKS)  # the earlier settings, the sweep from its largest step to its smallest, the difficulty axis
@@ -265,15 +265,16 @@ def sweep_report(runs: list[dict], results: Path, compare: bool = True) -> str:
     if hard:
         regimes.difficulty_figure(hard, results / "difficulty.png", sd)
     seed0 = {r["arm"]: r for r in by_task.get(DIFFICULTY_POINTS[-1], []) if r["seed"] == 0}
-    if "grpo" in seed0 and "exgrpo" in seed0:
+    if compare and "grpo" in seed0 and "exgrpo" in seed0:
         curves_figure(seed0["grpo"], seed0["exgrpo"], results / "curves.png")
     axes = (
         "paired by seed: mean (sd over seeds) [95% t-interval over seeds]; final: the mean of the final model's "
         "evaluations; equal updates: after the same optimizer updates; equal rollouts: GRPO read at ExGRPO's "
         "generated rollouts"
     )
-    lines = [f"### Step-size sweep: ExGRPO minus GRPO ({axes})", "", regimes.sweep_markdown(points, old), ""]
-    lines = lines if compare else []
+    lines = []
+    if compare:
+        lines += [f"### Step-size sweep: ExGRPO minus GRPO ({axes})", "", regimes.sweep_markdown(points, old), ""]
     if noise:
         lines += [
             f"Evaluation noise (of fixed models; not the spread between training runs, which the intervals over seeds "
